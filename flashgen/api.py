@@ -1,0 +1,168 @@
+"""flashgen.attention: input checks, kernel choice, and the torch.library custom op.
+
+The op takes the kernel's name as a plain string ("" = choose by heuristic), so a graph traced by
+torch.compile holds no Python objects, and prebuilt (ahead-of-time) kernels run through the same op.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from . import tuning
+from .runtime import Kernel
+from .spec import KernelSpec, arch_for_capability
+
+DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+# Loaded kernels: by name (prebuilt or JIT) and by the heuristic's inputs (the per-call fast path).
+_by_name: dict[str, Kernel] = {}
+_by_problem: dict[tuple, Kernel] = {}
+_arch: dict[int, str] = {}
+
+
+class NoJitError(RuntimeError):
+    """FLASHGEN_NO_JIT is set and the kernel needed is not prebuilt."""
+
+
+def register(kernel: Kernel) -> Kernel:
+    """Make a loaded kernel available to the op under its name (used by flashgen.load)."""
+    return _by_name.setdefault(kernel.spec.name, kernel)
+
+
+def kernel_for_spec(spec: KernelSpec) -> Kernel:
+    kernel = _by_name.get(spec.name)
+    if kernel is None:
+        if os.environ.get("FLASHGEN_NO_JIT"):
+            raise NoJitError(
+                f"kernel {spec.name} is not prebuilt and FLASHGEN_NO_JIT is set: build it with "
+                f"`flashgen build` and load it with flashgen.load(), or unset FLASHGEN_NO_JIT"
+            )
+        from .cache import default_cache
+
+        kernel = register(Kernel(spec, default_cache().get(spec).cubin))
+    return kernel
+
+
+def device_arch(device: int) -> str:
+    arch = _arch.get(device)
+    if arch is None:
+        arch = _arch[device] = arch_for_capability(*torch.cuda.get_device_capability(device))
+    return arch
+
+
+def _forward_kernel(q: torch.Tensor, causal: bool, name: str) -> Kernel:
+    if name:
+        return _by_name.get(name) or kernel_for_spec(KernelSpec.from_name(name))
+    device = q.device.index
+    short = q.shape[2] <= tuning.SHORT_QUERY
+    problem = (device, q.shape[3], q.dtype, causal, short)
+    kernel = _by_problem.get(problem)
+    if kernel is None:
+        spec = tuning.forward_spec(q.shape[3], DTYPES[q.dtype], causal, device_arch(device), q.shape[2])
+        kernel = _by_problem[problem] = kernel_for_spec(spec)
+    return kernel
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """cp.async moves 16 bytes: the base and every stride that is used must be multiples of 8."""
+    if t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s, n in zip(t.stride()[:3], t.shape) if n > 1):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("flashgen::attention_fwd", mutates_args=(), device_types="cuda")
+def attention_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, kernel: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, heads, seqlen_q, _ = q.shape
+    o = torch.empty_like(q)
+    lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
+    if o.numel() == 0:
+        return o, lse
+    if k.shape[2] == 0:  # no keys: every row sees nothing
+        return o.zero_(), lse.fill_(-math.inf)
+    _forward_kernel(q, causal, kernel).forward(_aligned(q), _aligned(k), _aligned(v), o, lse, scale)
+    return o, lse
+
+
+@attention_fwd.register_fake
+def _attention_fwd_fake(q, k, v, causal, scale, kernel):
+    batch, heads, seqlen_q, _ = q.shape
+    return torch.empty_like(q), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
+
+
+def check_inputs(q, k, v) -> None:
+    """Raise a clear error for anything the kernels cannot take."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must have 4 dimensions (batch, heads, seq, head_dim), like "
+                f"F.scaled_dot_product_attention; got shape {tuple(t.shape)}"
+            )
+        if t.dtype not in DTYPES:
+            raise TypeError(
+                f"{name} has dtype {t.dtype}; flashgen supports torch.float16 and torch.bfloat16 "
+                f"(cast with .to(torch.bfloat16))"
+            )
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k, v must share one dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    batch, heads, _, head_dim = q.shape
+    if k.shape[0] != batch or v.shape[0] != batch:
+        raise ValueError(
+            f"q, k, v must have the same batch size; got q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}"
+        )
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v must have the same number of heads; got k {k.shape[1]}, v {v.shape[1]}")
+    if k.shape[1] == 0 or heads % k.shape[1]:
+        raise ValueError(
+            f"q has {heads} heads and k, v have {k.shape[1]}: the number of query heads must be a "
+            f"multiple of the number of key/value heads (GQA/MQA)"
+        )
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v must have the same sequence length; got k {k.shape[2]}, v {v.shape[2]}")
+    if k.shape[3] != head_dim or v.shape[3] != head_dim:
+        raise ValueError(
+            f"q, k, v must have the same head_dim; got q {head_dim}, k {k.shape[3]}, v {v.shape[3]}"
+        )
+    if head_dim % 8 or not 8 <= head_dim <= 256:
+        raise ValueError(f"head_dim={head_dim} is not supported: it must be a multiple of 8 in [8, 256]")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(
+                f"{name}'s last dimension must be contiguous (stride 1), got stride {t.stride(-1)}; "
+                f"other strides may be anything (call .contiguous() on a transposed head_dim)"
+            )
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k, v must be on one device; got q {q.device}, k {k.device}, v {v.device}")
+    if q.device.type != "cuda":
+        why = "" if torch.cuda.is_available() else " (and PyTorch sees no CUDA GPU on this machine)"
+        raise ValueError(f"flashgen.attention runs on NVIDIA GPUs: q, k, v are on {q.device}{why}")
+
+
+def softmax_scale(scale, head_dim: int) -> float:
+    if scale is None:
+        return head_dim**-0.5
+    scale = float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale={scale}: must be a positive finite number (default 1/sqrt(head_dim))")
+    return scale
+
+
+def attention(q, k, v, *, causal: bool = False, scale: float | None = None, return_lse: bool = False):
+    """Exact softmax(q k^T * scale) v without materializing the scores.
+
+    q: (B, H, Tq, d); k, v: (B, H_kv, Tk, d) with H a multiple of H_kv (GQA/MQA), float16 or
+    bfloat16 on one CUDA device; any strides with the last dimension contiguous. d is a multiple
+    of 8 up to 256. causal=True masks bottom-right aligned: query i sees key j iff
+    j <= i + Tk - Tq (SDPA's is_causal when Tq == Tk); a query that sees no key gets 0.
+    scale defaults to 1/sqrt(d). With return_lse=True also returns the (B, H, Tq) fp32
+    log-sum-exp of the scaled scores (natural log; -inf for a row with no visible key).
+    """
+    check_inputs(q, k, v)
+    o, lse = attention_fwd(q, k, v, bool(causal), softmax_scale(scale, q.shape[-1]), "")
+    return (o, lse) if return_lse else o

@@ -1,0 +1,208 @@
+"""`flashgen bench`: flashgen next to PyTorch SDPA's backends, measured in one process on the same
+inputs, in the convention of FlashAttention's own benchmark (see ANCHORS.md): batch x seqlen = 16k
+tokens, model dim 2048 (heads = 2048 / d), bf16, forward FLOPs = 4 * B * H * T^2 * d (halved when
+causal); the median of 20 timed calls after 5 warm-ups, each timed with CUDA events.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+TOKENS = 16 * 1024
+MODEL_DIM = 2048
+SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+HEAD_DIMS = (64, 128)
+
+
+def forward_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal) -> float:
+    flops = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
+    return flops / 2 if causal else flops
+
+
+def time_ms(fn, warmup: int = 5, rep: int = 20) -> float:
+    """Median milliseconds of `rep` calls, each between its own pair of CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(rep):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def sdpa_backends() -> dict:
+    """name -> a context manager that pins F.scaled_dot_product_attention to that backend."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return {
+        "flash": lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION),
+        "cudnn": lambda: sdpa_kernel(SDPBackend.CUDNN_ATTENTION),
+        "efficient": lambda: sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION),
+    }
+
+
+def _inputs(seqlen, head_dim, dtype=torch.bfloat16, device="cuda"):
+    batch, heads = TOKENS // seqlen, MODEL_DIM // head_dim
+    gen = torch.Generator(device=device).manual_seed(seqlen * 1000 + head_dim)
+    return [
+        torch.randn(batch, heads, seqlen, head_dim, device=device, dtype=dtype, generator=gen)
+        for _ in range(3)
+    ]
+
+
+def forward_table(head_dims=HEAD_DIMS, seqlens=SEQLENS, causals=(False, True), attention=None):
+    """TFLOPS of flashgen and each SDPA backend for every (d, causal, T)."""
+    from .api import attention as flashgen_attention
+
+    attention = attention or flashgen_attention
+    rows = []
+    for head_dim in head_dims:
+        for causal in causals:
+            for seqlen in seqlens:
+                q, k, v = _inputs(seqlen, head_dim)
+                flops = forward_flops(q.shape[0], q.shape[1], seqlen, seqlen, head_dim, causal)
+                row = {"d": head_dim, "causal": causal, "T": seqlen}
+                row["flashgen"] = flops / time_ms(lambda: attention(q, k, v, causal=causal)) / 1e9
+                for name, pin in sdpa_backends().items():
+                    try:
+                        with pin():
+                            ms = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+                        row[name] = flops / ms / 1e9
+                    except RuntimeError:  # backend not available for this shape or GPU
+                        row[name] = None
+                rows.append(row)
+                del q, k, v
+    return rows
+
+
+def tune_forward(head_dim, causal, seqlen=4096, dtype="bf16", arch=None, candidates=None) -> list[dict]:
+    """TFLOPS of each candidate tile shape for one problem, best first, with flash for scale."""
+    from .api import attention_fwd, device_arch, kernel_for_spec
+    from .spec import KernelSpec, SpecError
+
+    arch = arch or device_arch(torch.cuda.current_device())
+    candidates = candidates or [
+        (bm, bn, w, s) for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)
+    ]
+    q, k, v = _inputs(seqlen, head_dim, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
+    flops = forward_flops(q.shape[0], q.shape[1], seqlen, seqlen, head_dim, causal)
+    rows = []
+    for block_m, block_n, num_warps, num_stages in candidates:
+        try:
+            spec = KernelSpec(head_dim, block_m, block_n, dtype, causal, num_warps, num_stages, arch)
+        except SpecError:
+            continue
+        kernel_for_spec(spec)
+        scale = head_dim**-0.5
+        ms = time_ms(lambda: attention_fwd(q, k, v, causal, scale, spec.name))
+        rows.append({"spec": spec.name, "tflops": flops / ms / 1e9})
+    with sdpa_backends()["flash"]():
+        ms = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+    rows.append({"spec": "sdpa-flash", "tflops": flops / ms / 1e9})
+    return sorted(rows, key=lambda row: -row["tflops"])
+
+
+def host_overhead_us(calls: int = 500) -> dict:
+    """Wall time per call on a tiny causal input (1x1x128x64), where launch cost dominates."""
+    from .api import attention
+
+    q, k, v = (torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    result = {}
+    for name, fn in {
+        "flashgen": lambda: attention(q, k, v, causal=True),
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+    }.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        result[name] = (time.perf_counter() - start) / calls * 1e6
+    return result
+
+
+_WARM_LOAD = r"""
+import time, torch, flashgen
+from flashgen.cache import default_cache
+from flashgen.runtime import Kernel
+spec = flashgen.KernelSpec.from_name({name!r})
+torch.cuda.init()
+start = time.perf_counter()
+kernel = Kernel(spec, default_cache().get(spec).cubin)
+kernel.function(0)
+print((time.perf_counter() - start) * 1e3)
+"""
+
+
+def compile_and_load_times(spec=None) -> dict:
+    """Cold compile of one spec into an empty cache, then its load from disk in a fresh process."""
+    from .cache import KernelCache
+    from .spec import KernelSpec
+
+    spec = spec or KernelSpec(head_dim=128, causal=True)
+    with tempfile.TemporaryDirectory() as root:
+        start = time.perf_counter()
+        KernelCache(root).get(spec)
+        cold = time.perf_counter() - start
+        env = {**os.environ, "FLASHGEN_CACHE_DIR": root}
+        code = _WARM_LOAD.format(name=spec.name)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        warm_ms = float(out.stdout.strip().splitlines()[-1])
+    return {"spec": spec.name, "cold_compile_s": cold, "warm_load_ms": warm_ms}
+
+
+def run(head_dims=HEAD_DIMS, seqlens=SEQLENS, json_path=None, console=None) -> dict:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    if not torch.cuda.is_available():
+        raise RuntimeError("flashgen bench needs an NVIDIA GPU: PyTorch sees none on this machine")
+    report = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "forward": forward_table(head_dims, seqlens),
+        "host_overhead_us": host_overhead_us(),
+        "compile": compile_and_load_times(),
+    }
+    table = Table(title=f"forward TFLOPS, bf16, {report['gpu']} (B*T=16k, model dim 2048)")
+    for column in ("d", "causal", "T", "flashgen", "flash", "cudnn", "efficient", "vs flash", "vs cudnn"):
+        table.add_column(column, justify="right")
+    fmt = lambda x: "-" if x is None else f"{x:.0f}"  # noqa: E731
+    ratio = lambda a, b: "-" if not b else f"{a / b:.2f}"  # noqa: E731
+    for row in report["forward"]:
+        table.add_row(
+            str(row["d"]), "yes" if row["causal"] else "no", str(row["T"]), fmt(row["flashgen"]),
+            fmt(row["flash"]), fmt(row["cudnn"]), fmt(row["efficient"]),
+            ratio(row["flashgen"], row["flash"]), ratio(row["flashgen"], row["cudnn"]),
+        )
+    console.print(table)
+    overhead, comp = report["host_overhead_us"], report["compile"]
+    console.print(
+        f"host overhead per call (1x1x128x64 causal): flashgen {overhead['flashgen']:.1f} us, "
+        f"SDPA {overhead['sdpa']:.1f} us"
+    )
+    console.print(
+        f"{comp['spec']}: cold compile {comp['cold_compile_s']:.2f} s, "
+        f"warm load from disk {comp['warm_load_ms']:.1f} ms (fresh process)"
+    )
+    if json_path:
+        with open(json_path, "w") as file:
+            json.dump(report, file, indent=2)
+    return report

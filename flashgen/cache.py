@@ -1,0 +1,227 @@
+"""The on-disk kernel cache: one directory per compiled kernel, written so that no reader ever sees
+half an entry and N processes asking for one spec compile it once.
+
+Layout: $FLASHGEN_CACHE_DIR (default ~/.cache/flashgen) / <flashgen version> / <arch> /
+<spec name>-<key prefix> / {kernel.cu, kernel.cubin, meta.json}. Every file is written to a temporary
+name and renamed into place; meta.json, holding the cubin's checksum, is written last and is the
+commit marker. Loading checks the checksum, so a truncated or corrupted entry is a miss (logged and
+rebuilt), never a crash. A cubin found in the cache is code that will run, so the cache directory
+must belong to the user and be writable by nobody else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import stat
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import filelock
+
+from . import __version__
+from .compile import Resources, compile_options, compile_source, nvrtc_version
+from .render import render
+from .spec import KernelSpec
+
+log = logging.getLogger("flashgen.cache")
+
+SOURCE, CUBIN, META = "kernel.cu", "kernel.cubin", "meta.json"
+
+
+class CacheError(RuntimeError):
+    """The cache directory cannot be used safely."""
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """A compiled kernel: the cubin and what is known about it."""
+
+    spec: KernelSpec
+    key: str
+    cubin: bytes
+    resources: Resources
+    meta: dict
+    path: Path | None = None  # the entry directory or meta file it was read from
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("FLASHGEN_CACHE_DIR") or Path.home() / ".cache" / "flashgen")
+
+
+def content_key(spec: KernelSpec, source: str) -> str:
+    """sha256 over everything that decides the cubin's bytes."""
+    parts = [
+        spec.canonical(),
+        source,
+        f"nvrtc={nvrtc_version()}",
+        f"arch={spec.arch}",
+        "options=" + " ".join(compile_options(spec)),
+        f"flashgen={__version__}",
+    ]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write to a temporary file in the same directory, flush it to disk, rename it into place."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def private_dir(path: Path) -> Path:
+    """Create `path` (and parents) mode 0700, and refuse one that others could write into."""
+    missing = []
+    for parent in [path, *path.parents]:
+        if parent.exists():
+            break
+        missing.append(parent)
+    for directory in reversed(missing):
+        directory.mkdir(mode=0o700, exist_ok=True)
+    info = path.stat()
+    if not stat.S_ISDIR(info.st_mode):
+        raise CacheError(f"flashgen cache path {path} exists and is not a directory")
+    if hasattr(os, "getuid") and info.st_uid != os.getuid():
+        raise CacheError(
+            f"flashgen cache directory {path} belongs to uid {info.st_uid}, not to you "
+            f"(uid {os.getuid()}): a cubin found there is code that will run. "
+            "Set FLASHGEN_CACHE_DIR to a directory of your own."
+        )
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise CacheError(
+            f"flashgen cache directory {path} is writable by other users "
+            f"(mode {stat.S_IMODE(info.st_mode):#o}): a cubin found there is code that will run. "
+            f"Run `chmod 700 {path}` or set FLASHGEN_CACHE_DIR to a private directory."
+        )
+    return path
+
+
+class KernelCache:
+    """Disk cache of compiled kernels with an in-process dict in front."""
+
+    def __init__(self, root: Path | None = None):
+        self.root = Path(root) if root else cache_root()
+        self._memory: dict[KernelSpec, Artifact] = {}
+
+    def arch_dir(self, arch: str) -> Path:
+        return self.root / __version__ / arch
+
+    def get(self, spec: KernelSpec) -> Artifact:
+        """The compiled kernel for `spec`: from memory, from disk, or built now (once, under a lock)."""
+        artifact = self._memory.get(spec)
+        if artifact is None:
+            artifact = self._memory[spec] = self._load_or_build(spec)
+        return artifact
+
+    def _load_or_build(self, spec: KernelSpec) -> Artifact:
+        source = render(spec)
+        key = content_key(spec, source)
+        parent = private_dir(private_dir(private_dir(self.root) / __version__) / spec.arch)
+        entry = parent / f"{spec.name}-{key[:16]}"
+        artifact = self.load(entry, spec, key)
+        if artifact is None:
+            with filelock.FileLock(str(parent / f"{entry.name}.lock"), mode=0o600):
+                artifact = self.load(entry, spec, key)  # someone may have built it while we waited
+                if artifact is None:
+                    artifact = self._build(entry, spec, key, source)
+        return artifact
+
+    @staticmethod
+    def load(entry: Path, spec: KernelSpec, key: str) -> Artifact | None:
+        """The entry if it is complete and intact; None (logged if damaged) otherwise. Never raises."""
+        meta_path = entry / META
+        if not meta_path.exists():
+            return None
+        try:
+            meta = json.loads(meta_path.read_text())
+            cubin = (entry / CUBIN).read_bytes()
+            problem = None
+            if meta.get("key") != key:
+                problem = "key mismatch"
+            elif len(cubin) != meta["cubin_bytes"] or sha256(cubin) != meta["cubin_sha256"]:
+                problem = f"cubin checksum mismatch ({len(cubin)} bytes, expected {meta['cubin_bytes']})"
+            if problem is None:
+                return Artifact(spec, key, cubin, Resources(**meta["resources"]), meta, entry)
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            problem = f"{type(error).__name__}: {error}"
+        log.warning("flashgen cache entry %s is damaged (%s); rebuilding it", entry, problem)
+        return None
+
+    @staticmethod
+    def _build(entry: Path, spec: KernelSpec, key: str, source: str) -> Artifact:
+        private_dir(entry)
+        (entry / META).unlink(missing_ok=True)  # the entry is incomplete until meta.json returns
+        write_atomic(entry / SOURCE, source.encode())  # saved first: compile errors point at it
+        started = time.perf_counter()
+        binary = compile_source(spec, source, entry / SOURCE)
+        meta = {
+            "name": spec.name,
+            "spec": json.loads(spec.canonical()),
+            "key": key,
+            "cubin_bytes": len(binary.cubin),
+            "cubin_sha256": sha256(binary.cubin),
+            "resources": binary.resources.to_dict(),
+            "smem_dynamic": spec.smem_bytes,
+            "nvrtc": nvrtc_version(),
+            "options": list(binary.options),
+            "flashgen": __version__,
+            "compile_seconds": round(time.perf_counter() - started, 3),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        write_atomic(entry / CUBIN, binary.cubin)
+        write_atomic(entry / META, json.dumps(meta, indent=2).encode())  # last: the commit marker
+        log.info("compiled %s in %.2fs", spec.name, meta["compile_seconds"])
+        return Artifact(spec, key, binary.cubin, binary.resources, meta, entry)
+
+    # ---- inspection --------------------------------------------------------------------------
+
+    def entries(self) -> list[dict]:
+        """Complete entries under the root (any version and arch), with their size."""
+        found = []
+        if not self.root.is_dir():
+            return found
+        for meta_path in sorted(self.root.glob(f"*/*/*/{META}")):
+            try:
+                meta = json.loads(meta_path.read_text())
+            except (OSError, ValueError):
+                continue
+            size = sum(f.stat().st_size for f in meta_path.parent.iterdir() if f.is_file())
+            found.append({**meta, "path": str(meta_path.parent), "bytes": size})
+        return found
+
+    def clear(self) -> int:
+        """Delete every entry; returns how many complete entries there were."""
+        count = len(self.entries())
+        if self.root.is_dir():
+            for child in self.root.iterdir():
+                if child.is_dir() and not child.is_symlink():
+                    shutil.rmtree(child)
+        self._memory.clear()
+        return count
+
+
+_default: KernelCache | None = None
+
+
+def default_cache() -> KernelCache:
+    """The process-wide cache at cache_root() (re-read if FLASHGEN_CACHE_DIR changes)."""
+    global _default
+    if _default is None or _default.root != cache_root():
+        _default = KernelCache()
+    return _default

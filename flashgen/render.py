@@ -1,0 +1,56 @@
+"""Render a KernelSpec to CUDA C++ with the Jinja templates under templates/.
+
+Jinja substitutes constants and keeps or drops whole code paths, so the rendered file holds only
+what this specialization runs. StrictUndefined turns a missing variable into an error instead of an
+empty string in the generated code.
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib import resources
+from pathlib import Path
+
+import jinja2
+
+from . import __version__
+from .spec import KernelSpec
+
+TEMPLATES = {"fwd": "attention_fwd.cu.j2"}
+
+
+def templates_dir() -> Path:
+    """The in-tree templates/ of a checkout, else the copy the wheel ships as flashgen.templates."""
+    in_tree = Path(__file__).resolve().parent.parent / "templates"
+    if (in_tree / TEMPLATES["fwd"]).is_file():
+        return in_tree
+    return Path(str(resources.files("flashgen.templates")))
+
+
+@functools.cache
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(templates_dir()),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+
+
+def template_context(spec: KernelSpec) -> dict:
+    """Everything a template may use: the spec's fields and the layout derived from them."""
+    return {
+        **{field: getattr(spec, field) for field in spec.__dataclass_fields__},
+        "name": spec.name,
+        "version": __version__,
+        "head_dim_pad": spec.head_dim_pad,
+        "smem_stride": spec.smem_stride,
+        "num_threads": spec.num_threads,
+        "ptx_type": {"fp16": "f16", "bf16": "bf16"}[spec.dtype],
+    }
+
+
+def render(spec: KernelSpec) -> str:
+    return _environment().get_template(TEMPLATES[spec.kind]).render(template_context(spec))

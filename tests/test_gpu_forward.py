@@ -1,0 +1,220 @@
+"""GPU tier: the forward kernel against the fp32 reference, by FlashAttention's numerics rule.
+
+max|out - ref| <= 2 * max|ref_lp - ref| + 1e-5, where ref is naive attention in fp32 and ref_lp the
+same computation in the kernel's dtype.
+"""
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import flashgen
+from flashgen import tuning
+from flashgen.reference import naive_attention
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+HEAD_DIMS = tuning.TEST_HEAD_DIMS
+SEQLENS = (1, 17, 113, 128, 1000, 1023, 2048)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def prebuilt(tmp_path_factory):
+    """Compile every spec the sweep needs in parallel processes before the tests run."""
+    from flashgen.api import device_arch
+
+    specs = tuning.shipped_forward_specs(device_arch(0))
+    flashgen.build(specs, tmp_path_factory.mktemp("prebuilt"))
+
+
+def make_qkv(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, dtype, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    shape_q, shape_kv = (batch, heads, seqlen_q, head_dim), (batch, kv_heads, seqlen_k, head_dim)
+    q = torch.randn(shape_q, device="cuda", dtype=dtype, generator=gen)
+    k = torch.randn(shape_kv, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn(shape_kv, device="cuda", dtype=dtype, generator=gen)
+    return q, k, v
+
+
+def check_against_reference(q, k, v, causal, out, lse):
+    ref, ref_lse = naive_attention(q, k, v, causal=causal)
+    ref_lp, _ = naive_attention(q, k, v, causal=causal, upcast=False)
+    assert not out.isnan().any(), "NaN in output"
+    err = (out.float() - ref.float()).abs().max().item()
+    bound = 2 * (ref_lp.float() - ref.float()).abs().max().item() + 1e-5
+    assert err <= bound, f"max error {err:.3e} > bound {bound:.3e}"
+    assert torch.equal(lse.isinf(), ref_lse.isinf()), "rows with no visible key differ"
+    finite = ref_lse.isfinite()
+    assert (lse[finite] - ref_lse[finite]).abs().max().item() <= 1e-3 if finite.any() else True
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlen", SEQLENS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_matches_reference(head_dim, seqlen, causal, dtype):
+    q, k, v = make_qkv(2, 3, 3, seqlen, seqlen, head_dim, DTYPES[dtype], seed=seqlen + head_dim)
+    out, lse = flashgen.attention(q, k, v, causal=causal, return_lse=True)
+    check_against_reference(q, k, v, causal, out, lse)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 128), (17, 1000), (113, 2048), (128, 1), (1000, 17), (2048, 113), (1023, 1000)])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_different_query_and_key_lengths(head_dim, seqlen_q, seqlen_k, causal):
+    q, k, v = make_qkv(2, 2, 2, seqlen_q, seqlen_k, head_dim, torch.bfloat16, seed=seqlen_q * seqlen_k)
+    out, lse = flashgen.attention(q, k, v, causal=causal, return_lse=True)
+    check_against_reference(q, k, v, causal, out, lse)
+
+
+def test_row_with_no_visible_key_is_zero_and_lse_minus_inf():
+    q, k, v = make_qkv(1, 2, 2, 300, 100, 64, torch.bfloat16)  # causal: the first 200 rows see nothing
+    out, lse = flashgen.attention(q, k, v, causal=True, return_lse=True)
+    assert torch.equal(out[:, :, :200], torch.zeros_like(out[:, :, :200]))
+    assert torch.isneginf(lse[:, :, :200]).all() and lse[:, :, 200:].isfinite().all()
+    check_against_reference(q, k, v, True, out, lse)
+
+
+@pytest.mark.parametrize("ratio", [1, 4, 8])
+def test_grouped_query_attention(ratio):
+    q, k, v = make_qkv(2, 8, 8 // ratio, 333, 333, 64, torch.bfloat16)
+    out, lse = flashgen.attention(q, k, v, causal=True, return_lse=True)
+    check_against_reference(q, k, v, True, out, lse)
+
+
+def test_strided_inputs_without_copy():
+    batch, seqlen, heads, head_dim = 2, 257, 4, 64
+    qkv = torch.randn(batch, seqlen, 3, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, T, d) views of one buffer
+    assert not q.is_contiguous() and q.stride(-1) == 1
+    out, lse = flashgen.attention(q, k, v, causal=True, return_lse=True)
+    check_against_reference(q, k, v, True, out, lse)
+    x = torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.float16)
+    view = x.view(batch, seqlen, heads, head_dim).transpose(1, 2)
+    out, lse = flashgen.attention(view, view, view, return_lse=True)
+    check_against_reference(view, view, view, False, out, lse)
+
+
+def test_misaligned_view_is_handled():
+    flat = torch.randn(1 * 2 * 100 * 64 + 3, device="cuda", dtype=torch.bfloat16)
+    q = flat[3:].view(1, 2, 100, 64)  # 6-byte offset: not 16-byte aligned
+    out, lse = flashgen.attention(q, q, q, return_lse=True)
+    check_against_reference(q, q, q, False, out, lse)
+
+
+def test_reruns_are_bitwise_identical():
+    q, k, v = make_qkv(2, 4, 4, 1000, 1000, 128, torch.bfloat16)
+    first = flashgen.attention(q, k, v, causal=True)
+    for _ in range(3):
+        assert torch.equal(flashgen.attention(q, k, v, causal=True), first)
+
+
+def test_empty_inputs_return_empty_without_launch(monkeypatch):
+    from flashgen.runtime import Kernel
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("an empty input launched a kernel")
+
+    monkeypatch.setattr(Kernel, "forward", no_launch)
+    for shape_q, shape_kv in [((0, 2, 16, 64), (0, 2, 16, 64)), ((1, 2, 0, 64), (1, 2, 16, 64))]:
+        q = torch.randn(shape_q, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(shape_kv, device="cuda", dtype=torch.bfloat16)
+        out, lse = flashgen.attention(q, k, k, return_lse=True)
+        assert out.shape == shape_q and lse.shape == shape_q[:3]
+    q = torch.randn(1, 2, 5, 64, device="cuda", dtype=torch.bfloat16)
+    empty_kv = torch.randn(1, 2, 0, 64, device="cuda", dtype=torch.bfloat16)
+    out, lse = flashgen.attention(q, empty_kv, empty_kv, return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
+def test_runs_on_the_current_stream():
+    q, k, v = make_qkv(4, 8, 8, 2048, 2048, 64, torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out = flashgen.attention(q, k, v)
+        done = torch.cuda.Event()
+        done.record(side)
+    done.synchronize()
+    torch.cuda.current_stream().wait_stream(side)
+    ref = flashgen.attention(q, k, v)
+    assert torch.equal(out, ref)
+
+
+def test_cuda_graph_capture():
+    q, k, v = make_qkv(2, 4, 4, 512, 512, 64, torch.bfloat16)
+    expected = flashgen.attention(q, k, v, causal=True)  # warm: compile and load outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flashgen.attention(q, k, v, causal=True)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, flashgen.attention(q, k, v, causal=True))
+    assert not torch.equal(out, expected)
+
+
+def test_torch_compile_fullgraph():
+    q, k, v = make_qkv(2, 4, 4, 300, 300, 64, torch.bfloat16)
+
+    @torch.compile(fullgraph=True)
+    def block(q, k, v):
+        return flashgen.attention(q * 1.0, k, v, causal=True) + 1
+
+    torch.testing.assert_close(block(q, k, v), flashgen.attention(q, k, v, causal=True) + 1, rtol=0, atol=0)
+
+
+def test_no_score_matrix_at_32k():
+    q, k, v = make_qkv(1, 4, 4, 32768, 32768, 64, torch.bfloat16)
+    flashgen.attention(q, k, v, causal=True)  # warm
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out, lse = flashgen.attention(q, k, v, causal=True, return_lse=True)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    outputs = out.numel() * out.element_size() + lse.numel() * lse.element_size()
+    assert extra <= outputs + (2 << 20), f"forward allocated {extra} bytes beyond its outputs ({outputs})"
+    scores = 4 * 32768 * 32768 * 2
+    assert extra < scores / 1000
+
+
+def test_prebuilt_module_runs_without_a_compiler(tmp_path):
+    out_dir = tmp_path / "aot_kernels"
+    spec = flashgen.KernelSpec(head_dim=64, block_m=128, block_n=64, causal=True)
+    flashgen.build([spec], out_dir)
+    script = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(tmp_path)!r})
+        import flashgen.cache, flashgen.compile
+        def refuse(*a, **k):
+            raise AssertionError("NVRTC was called")
+        flashgen.compile.compile_source = flashgen.cache.compile_source = refuse
+        from aot_kernels import {spec.name} as module
+        from flashgen.reference import naive_attention
+        q, k, v = (torch.randn(2, 4, 999, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        out = module.attention(q, k, v)
+        ref = naive_attention(q, k, v, causal=True)[0]
+        err = (out.float() - ref.float()).abs().max().item()
+        assert err < 2e-2, err
+        print("ok", module.spec.name, err)
+    """)
+    env = {**os.environ, "FLASHGEN_NO_JIT": "1", "FLASHGEN_CACHE_DIR": str(tmp_path / "empty-cache")}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("ok")
+
+
+def test_sdpa_agreement_for_equal_lengths():
+    """Bottom-right causal equals SDPA's is_causal when Tq == Tk."""
+    q, k, v = make_qkv(2, 4, 4, 777, 777, 128, torch.float16)
+    ours = flashgen.attention(q, k, v, causal=True)
+    theirs = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert (ours.float() - theirs.float()).abs().max().item() < 1e-2
+    assert math.isfinite(ours.float().sum().item())
