@@ -10,8 +10,8 @@ from .spec import KernelSpec, SpecError
 
 # (largest head_dim, causal) -> [(block_m, block_n, num_warps, num_stages), ...] best first
 FORWARD_TABLE = {
-    (64, False): [(128, 64, 4, 2), (64, 64, 4, 2)],
-    (64, True): [(128, 64, 4, 2), (64, 64, 4, 2)],
+    (64, False): [(128, 64, 4, 3), (128, 64, 4, 2), (64, 64, 4, 2)],
+    (64, True): [(128, 64, 4, 3), (128, 64, 4, 2), (64, 64, 4, 2)],
     (128, False): [(128, 32, 4, 2), (64, 64, 4, 2)],
     (128, True): [(128, 64, 4, 2), (64, 64, 4, 2)],
     (256, False): [(64, 64, 4, 2), (64, 32, 4, 2)],
@@ -21,7 +21,8 @@ SHORT_QUERY = 64  # at or below this many query rows, 64-row blocks waste less w
 
 
 def forward_spec(head_dim: int, dtype: str, causal: bool, arch: str, seqlen_q: int) -> KernelSpec:
-    bound = next(b for b in (64, 128, 256) if head_dim <= b)
+    # head_dim > 256 uses the last row, so KernelSpec rejects it with a SpecError, not StopIteration
+    bound = next((b for b in (64, 128, 256) if head_dim <= b), 256)
     candidates = FORWARD_TABLE[(bound, causal)]
     if seqlen_q <= SHORT_QUERY:
         candidates = [c for c in candidates if c[0] == 64] + candidates

@@ -180,9 +180,8 @@ def test_no_score_matrix_at_32k():
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - before
     outputs = out.numel() * out.element_size() + lse.numel() * lse.element_size()
+    # Only the outputs themselves: a bf16 score matrix would be 4 * 32768^2 * 2 bytes = 8 GiB.
     assert extra <= outputs + (2 << 20), f"forward allocated {extra} bytes beyond its outputs ({outputs})"
-    scores = 4 * 32768 * 32768 * 2
-    assert extra < scores / 1000
 
 
 def test_prebuilt_module_runs_without_a_compiler(tmp_path):

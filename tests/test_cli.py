@@ -1,0 +1,161 @@
+"""The `flashgen` command through click's CliRunner; the build folder it writes loads with no GPU."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from rich.console import Console
+
+import flashgen
+from flashgen import aot
+from flashgen.spec import KernelSpec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # cli.py lives at the repo root
+import cli  # noqa: E402
+
+D64 = KernelSpec(64, block_m=128, block_n=64)  # what `build --d 64 --block 128` picks
+
+
+@pytest.fixture(autouse=True)
+def wide_console(monkeypatch):
+    """rich wraps at 80 columns when not on a terminal; a wide console keeps each line whole."""
+    monkeypatch.setattr(cli, "console", Console(width=250))
+
+
+def run(*args):
+    return CliRunner().invoke(cli.main, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def gen(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "gen"
+    result = run("build", "--d", 64, "--block", 128, "--out", out)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_build_writes_an_importable_folder(gen):
+    name = D64.name
+    assert {p.name for p in gen.iterdir()} >= {f"{name}{ext}" for ext in (".cu", ".cubin", ".json", ".py")} | {"__init__.py"}
+    assert f'extern "C" __global__' in (gen / f"{name}.cu").read_text()
+    assert (gen / f"{name}.cubin").read_bytes().startswith(b"\x7fELF")
+
+
+def test_list_shows_the_kernel(gen):
+    result = run("list", "--out", gen)
+    assert result.exit_code == 0 and D64.name in result.output
+
+
+def test_list_of_an_empty_folder(tmp_path):
+    result = run("list", "--out", tmp_path)
+    assert result.exit_code == 0 and "no kernels" in result.output
+
+
+def test_build_every_combination_in_parallel(tmp_path):
+    out = tmp_path / "gen"
+    result = run("build", "--d", "64,128", "--causal", "both", "--dtype", "both", "--jobs", 2, "--out", out)
+    assert result.exit_code == 0, result.output
+    metas = aot.built(out)
+    assert len(list(out.glob("*.json"))) == len(metas) == 8
+    specs = {KernelSpec(**m["spec"]) for m in metas}
+    assert {(s.head_dim, s.dtype, s.causal) for s in specs} == {
+        (d, t, c) for d in (64, 128) for t in ("fp16", "bf16") for c in (False, True)
+    }
+
+
+@pytest.mark.parametrize(
+    "flags, mask",
+    [(["--causal"], "_causal_"), (["--no-causal"], "_full_"), (["--causal", "yes"], "_causal_")],
+)
+def test_causal_flags(tmp_path, flags, mask):
+    out = tmp_path / "gen"
+    result = run("build", "--d", 64, *flags, "--out", out)  # bare --causal before another option
+    assert result.exit_code == 0, result.output
+    (meta,) = aot.built(out)
+    assert mask in meta["name"]
+
+
+def test_bare_causal_as_last_argument(tmp_path):
+    result = run("show", "--d", 64, "--causal")
+    assert result.exit_code == 0 and "_causal_" in result.output
+
+
+@pytest.mark.parametrize("d", [100, 264])
+def test_bad_head_dim_is_named(tmp_path, d):
+    result = run("build", "--d", d, "--out", tmp_path / "gen")
+    assert result.exit_code != 0
+    assert f"head_dim={d}" in result.output
+    assert not (tmp_path / "gen").exists()
+
+
+def test_bad_dtype_names_the_allowed_values(tmp_path):
+    result = run("build", "--d", 64, "--dtype", "fp32", "--out", tmp_path / "gen")
+    assert result.exit_code != 0
+    assert "'fp32': must be one of fp16, bf16, both" in result.output
+
+
+def test_show_prints_the_source():
+    name = KernelSpec(64, causal=True).name
+    result = run("show", "--d", 64, "--causal")
+    assert result.exit_code == 0
+    assert 'extern "C" __global__' in result.output and name in result.output
+    assert "diag" in result.output
+
+
+def test_show_resources_compiles():
+    result = run("show", "--d", 64, "--resources")
+    assert result.exit_code == 0, result.output
+    assert f"// {KernelSpec(64).name}: " in result.output and '"registers"' in result.output
+
+
+def test_cache_info_and_clear(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path / "cache"))
+    assert run("build", "--d", 32, "--out", tmp_path / "gen").exit_code == 0
+    info = run("cache", "info")
+    assert info.exit_code == 0 and "1 kernel(s)" in info.output and str(tmp_path / "cache") in info.output
+    cleared = run("cache", "clear")
+    assert cleared.exit_code == 0 and "removed 1 kernel(s)" in cleared.output
+    assert "0 kernel(s)" in run("cache", "info").output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this checks the message on a machine with no GPU")
+def test_bench_without_gpu_fails_clearly():
+    result = run("bench")
+    assert result.exit_code != 0
+    assert "needs an NVIDIA GPU" in result.output
+
+
+def test_doctor():
+    result = run("doctor")
+    assert result.exit_code == 0 and "NVRTC" in result.output
+
+
+def test_load_without_gpu(gen):
+    (meta,) = aot.built(gen)
+    assert meta["name"] == D64.name and KernelSpec(**meta["spec"]) == D64
+    for path in (meta["path"], gen / f"{D64.name}.cubin", gen / D64.name):  # .json, .cubin or stem
+        kernel = flashgen.load(path)
+        assert isinstance(kernel, flashgen.PrebuiltKernel)
+        assert kernel.spec == D64 and kernel.kernel.cubin == (gen / f"{D64.name}.cubin").read_bytes()
+        assert kernel.kernel._functions == {}  # loading to a device waits for the first call
+
+
+def test_generated_module_imports(gen):
+    module_spec = importlib.util.spec_from_file_location("gen_kernel", gen / f"{D64.name}.py")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    assert module.spec == D64 and isinstance(module.attention, flashgen.PrebuiltKernel)
+
+
+def test_load_rejects_altered_cubin(gen, tmp_path):
+    for ext in (".json", ".cubin"):
+        (tmp_path / f"{D64.name}{ext}").write_bytes((gen / f"{D64.name}{ext}").read_bytes())
+    cubin = tmp_path / f"{D64.name}.cubin"
+    data = bytearray(cubin.read_bytes())
+    data[len(data) // 2] ^= 0x01  # same length: only the checksum can tell
+    cubin.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="checksum"):
+        flashgen.load(tmp_path / f"{D64.name}.json")

@@ -1,0 +1,70 @@
+"""NVRTC: every shipped spec compiles to a cubin with no spills, and failures carry what reproduces them."""
+
+import pytest
+
+import flashgen
+from flashgen import tuning
+from flashgen.compile import Resources, compile_source, parse_resources
+from flashgen.render import render
+from flashgen.spec import SMEM_LIMIT, KernelSpec
+
+SHIPPED = tuning.shipped_forward_specs("sm_90a") + tuning.shipped_forward_specs("sm_80")
+
+
+def test_sweep_covers_both_targets():
+    assert len(set(SHIPPED)) == len(SHIPPED)
+    assert {spec.arch for spec in SHIPPED} == {"sm_90a", "sm_80"}
+    assert {spec.head_dim for spec in SHIPPED} == set(tuning.TEST_HEAD_DIMS)
+
+
+@pytest.mark.parametrize("spec", SHIPPED, ids=lambda spec: spec.name)
+def test_shipped_spec_compiles_without_spills(spec):
+    binary = compile_source(spec, render(spec))
+    assert isinstance(binary.cubin, bytes) and binary.cubin.startswith(b"\x7fELF")
+    res = binary.resources
+    assert 0 < res.registers <= 255, binary.log
+    assert res.spills == 0, binary.log
+    assert res.stack_frame == 0, binary.log
+    assert spec.smem_bytes + res.static_smem <= SMEM_LIMIT[spec.arch]
+    assert f"-arch={spec.arch}" in binary.options
+
+
+def test_compile_error_carries_log_options_and_source(tmp_path):
+    spec = KernelSpec(64)
+    path = tmp_path / "x.cu"
+    with pytest.raises(flashgen.CompileError) as caught:
+        compile_source(spec, "this is not cuda", source_path=path)
+    error = caught.value
+    assert error.log.strip()
+    assert "-arch=sm_90a" in error.options
+    assert error.spec_name == spec.name
+    assert error.source_path == path
+    assert spec.name in str(error)
+    assert str(path) in str(error)
+
+
+SAMPLE_LOG = """\
+ptxas info    : 68 bytes gmem
+ptxas info    : Compiling entry function 'k' for 'sm_80'
+ptxas info    : Function properties for k
+ptxas         .     24 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 1024 bytes smem, 400 bytes cmem[0]
+"""
+
+
+def test_parse_resources_reads_the_ptxas_report():
+    res = parse_resources(SAMPLE_LOG)
+    assert res == Resources(registers=255, static_smem=1024, stack_frame=24, spill_stores=8, spill_loads=12)
+    assert res.spills == 20
+
+
+def test_parse_resources_without_smem_line_means_zero():
+    log = SAMPLE_LOG.replace(", 1024 bytes smem", "").replace("24 bytes stack", "0 bytes stack")
+    res = parse_resources(log)
+    assert (res.registers, res.static_smem, res.stack_frame) == (255, 0, 0)
+
+
+@pytest.mark.parametrize("log", ["", "ptxas info    : Compile time = 158.788 ms\n"])
+def test_parse_resources_without_report_raises(log):
+    with pytest.raises(ValueError, match="no ptxas resource report"):
+        parse_resources(log)

@@ -1,0 +1,57 @@
+"""Rendering: one kernel symbol per spec, and only the code paths the spec runs."""
+
+import jinja2
+import pytest
+
+from flashgen.render import _environment, render
+from flashgen.spec import KernelSpec
+
+
+def test_kernel_symbol_is_the_spec_name():
+    spec = KernelSpec(64, causal=True)
+    source = render(spec)
+    assert f'extern "C" __global__ void __launch_bounds__(NUM_THREADS)\n{spec.name}(' in source
+    assert "constexpr int HEAD_DIM = 64;" in source
+    assert "constexpr int BLOCK_M = 128;" in source
+
+
+def test_causal_keeps_the_diagonal_logic_and_full_drops_it():
+    causal = render(KernelSpec(64, causal=True))
+    full = render(KernelSpec(64, causal=False))
+    assert "const int diag = seqlen_k - seqlen_q;" in causal
+    assert "key > row + diag" in causal
+    assert "diag" not in full
+    assert "if (key >= seqlen_k) s[mt][nt][e] = NEG_INF;" in full
+
+
+def test_pad_columns_checked_only_when_head_dim_is_not_a_multiple_of_16():
+    assert "chunk < CHUNKS" in render(KernelSpec(40))
+    assert "constexpr int HEAD_DIM_PAD = 48;" in render(KernelSpec(40))
+    assert "chunk < CHUNKS" not in render(KernelSpec(64))
+
+
+def test_dtype_selects_the_mma_type():
+    fp16 = render(KernelSpec(64, dtype="fp16"))
+    bf16 = render(KernelSpec(64, dtype="bf16"))
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in fp16
+    assert "cvt.rn.f16x2.f32" in fp16
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in bf16
+    assert "cvt.rn.bf16x2.f32" in bf16
+    assert ".bf16" not in fp16
+    assert ".f16" not in bf16
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [KernelSpec(40, causal=True, dtype="fp16"), KernelSpec(256, block_m=64, block_n=32, num_stages=3, arch="sm_80")],
+    ids=lambda spec: spec.name,
+)
+def test_no_template_syntax_left(spec):
+    source = render(spec)
+    for token in ("{{", "}}", "{%", "%}", "{#"):
+        assert token not in source
+
+
+def test_undefined_variable_is_an_error():
+    with pytest.raises(jinja2.UndefinedError, match="nope"):
+        _environment().from_string("{{ nope }}").render()
