@@ -13,7 +13,7 @@ import torch
 
 from . import tuning
 from .runtime import Kernel
-from .spec import KernelSpec, arch_for_capability
+from .spec import STATS_PAD, KernelSpec, arch_for_capability
 
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -66,17 +66,30 @@ def _forward_kernel(q: torch.Tensor, causal: bool, name: str) -> Kernel:
     return kernel
 
 
+def _backward_kernels(q: torch.Tensor, causal: bool, deterministic: bool) -> list[Kernel]:
+    device = q.device.index
+    problem = ("bwd", device, q.shape[3], q.dtype, causal, deterministic)
+    kernels = _by_problem.get(problem)
+    if kernels is None:
+        specs = tuning.backward_specs(q.shape[3], DTYPES[q.dtype], causal, device_arch(device), deterministic)
+        kernels = _by_problem[problem] = [kernel_for_spec(spec) for spec in specs]
+    return kernels
+
+
 def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """cp.async moves 16 bytes: the base and every stride that is used must be multiples of 8."""
-    if t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s, n in zip(t.stride()[:3], t.shape) if n > 1):
+    """cp.async moves 16 bytes: the base and every stride that is used must be multiples of 8 (and
+    the last dimension contiguous: a gradient can arrive expanded, with stride 0)."""
+    if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s, n in zip(t.stride()[:3], t.shape) if n > 1):
         return t
     return t.clone(memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("flashgen::attention_fwd", mutates_args=(), device_types="cuda")
 def attention_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, kernel: str
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, kernel: str,
+    deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse). `deterministic` only chooses the backward kernels (the forward always is)."""
     batch, heads, seqlen_q, _ = q.shape
     o = torch.empty_like(q)
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
@@ -89,9 +102,59 @@ def attention_fwd(
 
 
 @attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, causal, scale, kernel):
+def _attention_fwd_fake(q, k, v, causal, scale, kernel, deterministic):
     batch, heads, seqlen_q, _ = q.shape
     return torch.empty_like(q), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashgen::attention_bwd", mutates_args=(), device_types="cuda")
+def attention_bwd(
+    d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+    lse: torch.Tensor, d_lse: torch.Tensor | None, causal: bool, scale: float, deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) from the forward's inputs, output and log-sum-exp; P is recomputed."""
+    batch, heads, seqlen_q, head_dim = q.shape
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)  # dk, dv: one layout
+    if q.numel() == 0 or k.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    kernels = _backward_kernels(q, causal, deterministic)
+    q, k, v, o, d_o = (_aligned(t) for t in (q, k, v, o, d_o))
+    padded_q = -(-seqlen_q // STATS_PAD) * STATS_PAD
+    delta = torch.empty((batch, heads, padded_q), dtype=torch.float32, device=q.device)
+    lse_log2 = torch.empty_like(delta)
+    kernels[0].backward_prep(o, d_o, lse.contiguous(), delta, lse_log2)
+    if d_lse is not None:  # d lse_i / d s_ij = p_ij: it enters dS exactly like -delta
+        delta[..., :seqlen_q] -= d_lse
+    dq_accum = None if deterministic else torch.zeros((batch, heads, seqlen_q, head_dim), dtype=torch.float32, device=q.device)
+    for kernel in kernels:
+        kernel.backward(q, k, v, d_o, lse_log2, delta, dk, dv, dq if kernel.spec.kind == "bwd_q" else dq_accum, scale)
+    if dq_accum is not None:
+        dq.copy_(dq_accum)
+    return dq, dk, dv
+
+
+@attention_bwd.register_fake
+def _attention_bwd_fake(d_o, q, k, v, o, lse, d_lse, causal, scale, deterministic):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, scale, _kernel, deterministic = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.causal, ctx.scale, ctx.deterministic = causal, scale, deterministic
+    ctx.set_materialize_grads(False)  # an unused lse then costs nothing in the backward
+
+
+def _backward(ctx, d_o, d_lse):
+    q, k, v, o, lse = ctx.saved_tensors
+    if d_o is None:
+        d_o = torch.zeros_like(o)
+    dq, dk, dv = attention_bwd(d_o, q, k, v, o, lse, d_lse, ctx.causal, ctx.scale, ctx.deterministic)
+    return dq, dk, dv, None, None, None, None
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def check_inputs(q, k, v) -> None:
@@ -153,8 +216,11 @@ def softmax_scale(scale, head_dim: int) -> float:
     return scale
 
 
-def attention(q, k, v, *, causal: bool = False, scale: float | None = None, return_lse: bool = False):
-    """Exact softmax(q k^T * scale) v without materializing the scores.
+def attention(
+    q, k, v, *, causal: bool = False, scale: float | None = None, return_lse: bool = False,
+    deterministic: bool = False,
+):
+    """Exact softmax(q k^T * scale) v without materializing the scores; differentiable.
 
     q: (B, H, Tq, d); k, v: (B, H_kv, Tk, d) with H a multiple of H_kv (GQA/MQA), float16 or
     bfloat16 on one CUDA device; any strides with the last dimension contiguous. d is a multiple
@@ -162,7 +228,11 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
     j <= i + Tk - Tq (SDPA's is_causal when Tq == Tk); a query that sees no key gets 0.
     scale defaults to 1/sqrt(d). With return_lse=True also returns the (B, H, Tq) fp32
     log-sum-exp of the scaled scores (natural log; -inf for a row with no visible key).
+
+    The forward is deterministic. The default backward adds dq up with fp32 atomics, so dq may
+    differ in its last bits from run to run (dk and dv never do); deterministic=True computes dq in
+    a separate pass instead, which costs some speed and gives bitwise-identical gradients.
     """
     check_inputs(q, k, v)
-    o, lse = attention_fwd(q, k, v, bool(causal), softmax_scale(scale, q.shape[-1]), "")
+    o, lse = attention_fwd(q, k, v, bool(causal), softmax_scale(scale, q.shape[-1]), "", bool(deterministic))
     return (o, lse) if return_lse else o

@@ -1,7 +1,9 @@
 """`flashgen bench`: flashgen next to PyTorch SDPA's backends, measured in one process on the same
 inputs, in the convention of FlashAttention's own benchmark (see ANCHORS.md): batch x seqlen = 16k
 tokens, model dim 2048 (heads = 2048 / d), bf16, forward FLOPs = 4 * B * H * T^2 * d (halved when
-causal); the median of 20 timed calls after 5 warm-ups, each timed with CUDA events.
+causal), backward = 2.5x forward; the median of 20 timed calls after 5 warm-ups, each timed with
+CUDA events. The backward is timed as `out.backward(dout, retain_graph=True)`, as FlashAttention's
+benchmark does.
 """
 
 from __future__ import annotations
@@ -63,28 +65,77 @@ def _inputs(seqlen, head_dim, dtype=torch.bfloat16, device="cuda"):
     ]
 
 
-def forward_table(head_dims=HEAD_DIMS, seqlens=SEQLENS, causals=(False, True), attention=None):
-    """TFLOPS of flashgen and each SDPA backend for every (d, causal, T)."""
+MODES = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}  # FLOPs relative to the forward
+
+
+def _timer(attention, q, k, v, causal, mode):
+    """A no-argument callable running one `mode` pass of `attention`."""
+    if mode == "fwd":
+        return lambda: attention(q, k, v, causal=causal)
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    d_o = torch.randn_like(q)
+    if mode == "bwd":
+        out = attention(q, k, v, causal=causal)
+        return lambda: out.backward(d_o, retain_graph=True)
+    return lambda: attention(q, k, v, causal=causal).backward(d_o)
+
+
+def table(mode="fwd", head_dims=HEAD_DIMS, seqlens=SEQLENS, causals=(False, True)):
+    """TFLOPS of flashgen and each SDPA backend for every (d, causal, T), for one mode."""
     from .api import attention as flashgen_attention
 
-    attention = attention or flashgen_attention
+    peers = {"flashgen": lambda q, k, v, causal: flashgen_attention(q, k, v, causal=causal)}
+    for name, pin in sdpa_backends().items():
+        peers[name] = _pinned(pin)
     rows = []
     for head_dim in head_dims:
         for causal in causals:
             for seqlen in seqlens:
                 q, k, v = _inputs(seqlen, head_dim)
-                flops = forward_flops(q.shape[0], q.shape[1], seqlen, seqlen, head_dim, causal)
-                row = {"d": head_dim, "causal": causal, "T": seqlen}
-                row["flashgen"] = flops / time_ms(lambda: attention(q, k, v, causal=causal)) / 1e9
-                for name, pin in sdpa_backends().items():
+                flops = MODES[mode] * forward_flops(q.shape[0], q.shape[1], seqlen, seqlen, head_dim, causal)
+                row = {"mode": mode, "d": head_dim, "causal": causal, "T": seqlen}
+                for name, attention in peers.items():
                     try:
-                        with pin():
-                            ms = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
-                        row[name] = flops / ms / 1e9
+                        row[name] = flops / time_ms(_timer(attention, q, k, v, causal, mode)) / 1e9
                     except RuntimeError:  # backend not available for this shape or GPU
                         row[name] = None
                 rows.append(row)
                 del q, k, v
+    return rows
+
+
+def _pinned(pin):
+    def run(q, k, v, causal):
+        with pin():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return run
+
+
+def backward_memory_mib(seqlen=4096, head_dims=HEAD_DIMS, causals=(False, True)) -> list[dict]:
+    """Peak memory a backward pass allocates beyond what is held before it (gradients included)."""
+    from .api import attention as flashgen_attention
+
+    peers = {"flashgen": lambda q, k, v, causal: flashgen_attention(q, k, v, causal=causal)}
+    peers["flash"] = _pinned(sdpa_backends()["flash"])
+    rows = []
+    for head_dim in head_dims:
+        for causal in causals:
+            row = {"d": head_dim, "causal": causal, "T": seqlen}
+            for name, attention in peers.items():
+                q, k, v = (t.requires_grad_() for t in _inputs(seqlen, head_dim))
+                out = attention(q, k, v, causal)
+                d_o = torch.randn_like(out)
+                out.backward(d_o, retain_graph=True)  # warm
+                q.grad = k.grad = v.grad = None
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+                out.backward(d_o)
+                torch.cuda.synchronize()
+                row[name] = (torch.cuda.max_memory_allocated() - before) / 2**20
+                del q, k, v, out, d_o
+            rows.append(row)
     return rows
 
 
@@ -107,7 +158,7 @@ def tune_forward(head_dim, causal, seqlen=4096, dtype="bf16", arch=None, candida
             continue
         kernel_for_spec(spec)
         scale = head_dim**-0.5
-        ms = time_ms(lambda: attention_fwd(q, k, v, causal, scale, spec.name))
+        ms = time_ms(lambda: attention_fwd(q, k, v, causal, scale, spec.name, False))
         rows.append({"spec": spec.name, "tflops": flops / ms / 1e9})
     with sdpa_backends()["flash"]():
         ms = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
@@ -166,7 +217,33 @@ def compile_and_load_times(spec=None) -> dict:
     return {"spec": spec.name, "cold_compile_s": cold, "warm_load_ms": warm_ms}
 
 
-def run(head_dims=HEAD_DIMS, seqlens=SEQLENS, json_path=None, console=None) -> dict:
+def tune_backward(head_dim, causal, seqlen=4096, candidates=None, deterministic=False) -> list[dict]:
+    """Backward TFLOPS of each key-major tile shape for one problem, best first, flash for scale."""
+    from . import api
+    from .spec import KernelSpec, SpecError
+    from .tuning import backward_specs
+
+    arch = api.device_arch(torch.cuda.current_device())
+    base = backward_specs(head_dim, "bf16", causal, arch, deterministic)
+    q, k, v = _inputs(seqlen, head_dim)
+    flops = MODES["bwd"] * forward_flops(q.shape[0], q.shape[1], seqlen, seqlen, head_dim, causal)
+    problem = ("bwd", q.device.index, head_dim, q.dtype, causal, deterministic)
+    rows = []
+    for block_m, block_n, num_warps, num_stages in candidates or [(64, 128, 8, 2), (64, 64, 4, 2)]:
+        try:
+            first = base[0].replace(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+        except SpecError:
+            continue
+        api._by_problem[problem] = [api.kernel_for_spec(first), *map(api.kernel_for_spec, base[1:])]
+        ms = time_ms(_timer(lambda q, k, v, causal: api.attention(q, k, v, causal=causal, deterministic=deterministic), q, k, v, causal, "bwd"))
+        rows.append({"spec": first.name, "tflops": flops / ms / 1e9})
+    api._by_problem.pop(problem, None)
+    ms = time_ms(_timer(_pinned(sdpa_backends()["flash"]), q, k, v, causal, "bwd"))
+    rows.append({"spec": "sdpa-flash", "tflops": flops / ms / 1e9})
+    return sorted(rows, key=lambda row: -row["tflops"])
+
+
+def run(head_dims=HEAD_DIMS, seqlens=SEQLENS, modes=tuple(MODES), json_path=None, console=None) -> dict:
     from rich.console import Console
     from rich.table import Table
 
@@ -177,22 +254,29 @@ def run(head_dims=HEAD_DIMS, seqlens=SEQLENS, json_path=None, console=None) -> d
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
-        "forward": forward_table(head_dims, seqlens),
+        "tables": {mode: table(mode, head_dims, seqlens) for mode in modes},
+        "backward_memory_mib": backward_memory_mib(head_dims=head_dims) if "bwd" in modes else [],
         "host_overhead_us": host_overhead_us(),
         "compile": compile_and_load_times(),
     }
-    table = Table(title=f"forward TFLOPS, bf16, {report['gpu']} (B*T=16k, model dim 2048)")
-    for column in ("d", "causal", "T", "flashgen", "flash", "cudnn", "efficient", "vs flash", "vs cudnn"):
-        table.add_column(column, justify="right")
     fmt = lambda x: "-" if x is None else f"{x:.0f}"  # noqa: E731
-    ratio = lambda a, b: "-" if not b else f"{a / b:.2f}"  # noqa: E731
-    for row in report["forward"]:
-        table.add_row(
-            str(row["d"]), "yes" if row["causal"] else "no", str(row["T"]), fmt(row["flashgen"]),
-            fmt(row["flash"]), fmt(row["cudnn"]), fmt(row["efficient"]),
-            ratio(row["flashgen"], row["flash"]), ratio(row["flashgen"], row["cudnn"]),
+    ratio = lambda a, b: "-" if not (a and b) else f"{a / b:.2f}"  # noqa: E731
+    for mode, rows in report["tables"].items():
+        out = Table(title=f"{mode} TFLOPS, bf16, {report['gpu']} (B*T=16k, model dim 2048)")
+        for column in ("d", "causal", "T", "flashgen", "flash", "cudnn", "efficient", "vs flash", "vs cudnn"):
+            out.add_column(column, justify="right")
+        for row in rows:
+            out.add_row(
+                str(row["d"]), "yes" if row["causal"] else "no", str(row["T"]), fmt(row["flashgen"]),
+                fmt(row["flash"]), fmt(row["cudnn"]), fmt(row["efficient"]),
+                ratio(row["flashgen"], row["flash"]), ratio(row["flashgen"], row["cudnn"]),
+            )
+        console.print(out)
+    for row in report["backward_memory_mib"]:
+        console.print(
+            f"backward extra memory d={row['d']} causal={row['causal']} T={row['T']}: flashgen "
+            f"{row['flashgen']:.0f} MiB, flash {row['flash']:.0f} MiB ({ratio(row['flashgen'], row['flash'])}x)"
         )
-    console.print(table)
     overhead, comp = report["host_overhead_us"], report["compile"]
     console.print(
         f"host overhead per call (1x1x128x64 causal): flashgen {overhead['flashgen']:.1f} us, "

@@ -27,7 +27,7 @@ import filelock
 from . import __version__
 from .compile import Resources, compile_options, compile_source, nvrtc_version
 from .render import render
-from .spec import KernelSpec
+from .spec import ARCHS, KernelSpec
 
 log = logging.getLogger("flashgen.cache")
 
@@ -206,12 +206,16 @@ class KernelCache:
         return found
 
     def clear(self) -> int:
-        """Delete every entry; returns how many complete entries there were."""
+        """Delete every entry; returns how many complete entries there were. Only the
+        <version>/<arch> folders flashgen writes are removed, never anything else under the root."""
         count = len(self.entries())
         if self.root.is_dir():
-            for child in self.root.iterdir():
-                if child.is_dir() and not child.is_symlink():
-                    shutil.rmtree(child)
+            for arch_dir in sorted(self.root.glob("*/*")):
+                version_dir = arch_dir.parent
+                if arch_dir.name in ARCHS and arch_dir.is_dir() and not (arch_dir.is_symlink() or version_dir.is_symlink()):
+                    shutil.rmtree(arch_dir)
+                    if not any(version_dir.iterdir()):
+                        version_dir.rmdir()
         self._memory.clear()
         return count
 

@@ -95,18 +95,23 @@ def compile_source(spec: KernelSpec, source: str, source_path: Path | None = Non
         cubin = nvrtc.getCUBIN(program)
     finally:
         nvrtc.destroyProgram(program)
-    return Binary(cubin=cubin, resources=parse_resources(log), log=log, options=tuple(options))
+    return Binary(cubin=cubin, resources=parse_resources(log, spec.name), log=log, options=tuple(options))
 
 
-def parse_resources(log: str) -> Resources:
-    """Read `ptxas -v` output (the NVRTC log when compiled with -Xptxas=-v)."""
+def parse_resources(log: str, function: str | None = None) -> Resources:
+    """Read `ptxas -v` output (the NVRTC log when compiled with -Xptxas=-v) for one entry function
+    (the first one reported when `function` is None)."""
+    sections = re.split(r"Compiling entry function '", log)[1:]
+    if function is not None:
+        sections = [s for s in sections if s.startswith(function + "'")]
+    if not sections or not re.search(r"Used \d+ registers", sections[0]):
+        raise ValueError(f"no ptxas resource report for {function or 'any function'} in the NVRTC log")
+    section = sections[0]
 
     def number(pattern: str) -> int:
-        match = re.search(pattern, log)
+        match = re.search(pattern, section)
         return int(match.group(1)) if match else 0
 
-    if not re.search(r"Used \d+ registers", log):
-        raise ValueError("no ptxas resource report in the NVRTC log (was -Xptxas=-v passed?)")
     return Resources(
         registers=number(r"Used (\d+) registers"),
         static_smem=number(r"(\d+) bytes smem"),

@@ -16,7 +16,11 @@ import jinja2
 from . import __version__
 from .spec import KernelSpec
 
-TEMPLATES = {"fwd": "attention_fwd.cu.j2"}
+TEMPLATES = {
+    "fwd": "attention_fwd.cu.j2",
+    "bwd_q": "attention_bwd_q.cu.j2",
+    **{kind: "attention_bwd.cu.j2" for kind in ("bwd_kvq", "bwd_kv", "bwd_kq", "bwd_k", "bwd_v")},
+}
 
 
 def templates_dir() -> Path:
@@ -41,6 +45,9 @@ def _environment() -> jinja2.Environment:
 
 def template_context(spec: KernelSpec) -> dict:
     """Everything a template may use: the spec's fields and the layout derived from them."""
+    grads = spec.grads
+    # Key-major backward: (accumulator, fp32 tile it is multiplied from, shared-memory B operand)
+    gemms = [g for g in (("dv", "s", "do_tile"), ("dk", "dp", "q_tile")) if g[0][1] in grads]
     return {
         **{field: getattr(spec, field) for field in spec.__dataclass_fields__},
         "name": spec.name,
@@ -49,6 +56,13 @@ def template_context(spec: KernelSpec) -> dict:
         "smem_stride": spec.smem_stride,
         "num_threads": spec.num_threads,
         "ptx_type": {"fp16": "f16", "bf16": "bf16"}[spec.dtype],
+        "has_dk": "k" in grads,
+        "has_dv": "v" in grads,
+        "has_dq": "q" in grads,
+        "need_dp": "k" in grads or "q" in grads,
+        "gemms": gemms,
+        "grads_text": " and ".join({"k": "dK (already scaled)", "v": "dV"}[g] for g in grads if g != "q"),
+        "prep_lanes": 1 << (spec.head_dim // 8 - 1).bit_length(),
     }
 
 

@@ -12,7 +12,13 @@ import json
 import re
 from dataclasses import dataclass
 
-KINDS = ("fwd",)
+# fwd: O and the log-sum-exp. Backward kernels are named by the gradients they write: key-major
+# kernels (one block per key tile) write dK and/or dV in registers and, with a "q", add dQ with
+# atomics; bwd_q is query-major (one block per query tile) and writes dQ deterministically.
+KINDS = ("fwd", "bwd_kvq", "bwd_kv", "bwd_kq", "bwd_k", "bwd_v", "bwd_q")
+KEY_MAJOR = ("bwd_kvq", "bwd_kv", "bwd_kq", "bwd_k", "bwd_v")
+# Backward kernels read the log-sum-exp and delta from buffers padded to whole tiles of this size.
+STATS_PAD = 128
 DTYPES = ("fp16", "bf16")
 NUM_WARPS = (1, 2, 4, 8)
 NUM_STAGES = (2, 3)
@@ -51,14 +57,16 @@ class KernelSpec:
     """One specialization of an attention kernel.
 
     head_dim:   d of q, k and v; a multiple of 8 from 8 to 256 (padded to 16 inside the kernel).
-    block_m:    query rows per thread block; each warp owns block_m / num_warps rows (16 or 32).
-    block_n:    key rows per pipeline stage; a multiple of 16 up to 256.
+    block_m:    query rows per block (fwd, bwd_q) or per step (key-major backward); a multiple of 16.
+    block_n:    key rows per step (fwd, bwd_q) or per block (key-major backward); a multiple of 16.
+                Each warp owns block_m / num_warps query rows (fwd, bwd_q) or block_n / num_warps
+                key rows (key-major backward): 16 or 32.
     dtype:      "fp16" or "bf16" for q, k, v and o; accumulation is always fp32.
     causal:     bottom-right aligned causal mask (query i sees keys j <= i + Tk - Tq).
     num_warps:  warps per block.
-    num_stages: key/value tiles in flight in shared memory (2 or 3).
+    num_stages: tiles in flight in shared memory (2 or 3).
     arch:       compile target, e.g. "sm_90a" (H100/H200) or "sm_80" (A100).
-    kind:       which kernel: "fwd".
+    kind:       which kernel: "fwd", or a backward kernel (see KINDS).
     """
 
     head_dim: int
@@ -90,21 +98,26 @@ class KernelSpec:
         if self.num_stages not in NUM_STAGES:
             raise SpecError(f"num_stages={self.num_stages}: must be one of {NUM_STAGES}")
         _check_int("block_m", self.block_m)
-        if self.block_m <= 0 or self.block_m % self.num_warps or self.rows_per_warp not in (16, 32):
-            raise SpecError(
-                f"block_m={self.block_m} with num_warps={self.num_warps}: each warp owns "
-                f"block_m / num_warps query rows, which must be 16 or 32 "
-                f"(block_m in {{{16 * self.num_warps}, {32 * self.num_warps}}})"
-            )
         _check_int("block_n", self.block_n)
+        if self.block_m % 16 or not 16 <= self.block_m <= 256:
+            raise SpecError(f"block_m={self.block_m}: must be a multiple of 16 in [16, 256]")
         if self.block_n % 16 or not 16 <= self.block_n <= 256:
             raise SpecError(f"block_n={self.block_n}: must be a multiple of 16 in [16, 256]")
+        owned = "block_n" if self.key_major else "block_m"
+        if getattr(self, owned) % self.num_warps or self.rows_per_warp not in (16, 32):
+            raise SpecError(
+                f"{owned}={getattr(self, owned)} with num_warps={self.num_warps}: in a {self.kind} "
+                f"kernel each warp owns {owned} / num_warps rows, which must be 16 or 32 "
+                f"({owned} in {{{16 * self.num_warps}, {32 * self.num_warps}}})"
+            )
+        if self.kind != "fwd" and STATS_PAD % self.block_m:
+            raise SpecError(f"block_m={self.block_m}: a backward kernel needs a divisor of {STATS_PAD}")
         if self.accumulators > MAX_ACCUMULATORS:
             raise SpecError(
                 f"block_m={self.block_m}, block_n={self.block_n}, head_dim={self.head_dim}, "
                 f"num_warps={self.num_warps}: each thread would hold {self.accumulators} fp32 "
                 f"accumulators; at most {MAX_ACCUMULATORS} fit in registers "
-                f"(use a smaller block_n, or more warps for the same block_m)"
+                f"(use smaller tiles, or more warps for the same tiles)"
             )
         limit = SMEM_LIMIT[self.arch]
         if self.smem_bytes > limit:
@@ -131,18 +144,44 @@ class KernelSpec:
         return 32 * self.num_warps
 
     @property
+    def key_major(self) -> bool:
+        return self.kind in KEY_MAJOR
+
+    @property
+    def grads(self) -> str:
+        """The gradients a backward kernel writes: letters of "kvq"."""
+        return self.kind.removeprefix("bwd_") if self.kind != "fwd" else ""
+
+    @property
     def rows_per_warp(self) -> int:
-        return self.block_m // self.num_warps
+        return (self.block_n if self.key_major else self.block_m) // self.num_warps
 
     @property
     def accumulators(self) -> int:
-        """fp32 registers per thread for the S tile and the O tile."""
-        return (self.rows_per_warp // 16) * (self.head_dim_pad + self.block_n) // 2
+        """fp32 registers per thread held across the inner loop (see the templates)."""
+        tiles = self.rows_per_warp // 16
+        if self.kind == "fwd":  # S and O
+            return tiles * (self.head_dim_pad + self.block_n) // 2
+        if self.kind == "bwd_q":  # S, dP and dQ
+            return tiles * (self.head_dim_pad // 2 + self.block_n)
+        scores = 1 + ("k" in self.grads or "q" in self.grads)  # S^T, and dP^T when dS is needed
+        outputs = ("k" in self.grads) + ("v" in self.grads)  # dK, dV
+        return tiles * (outputs * self.head_dim_pad + scores * self.block_m) // 2
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory: the Q tile plus num_stages (K tile, V tile) pairs, 2 bytes each."""
-        return (self.block_m + 2 * self.num_stages * self.block_n) * self.smem_stride * 2
+        """Dynamic shared memory of the kernel, from the layout in its template."""
+        row = self.smem_stride * 2
+        if self.kind == "fwd":  # Q, then num_stages (K, V) tile pairs
+            return (self.block_m + 2 * self.num_stages * self.block_n) * row
+        if self.kind == "bwd_q":  # Q, dO, then num_stages (K, V) tile pairs
+            return (2 * self.block_m + 2 * self.num_stages * self.block_n) * row
+        # K, V, num_stages (Q, dO, lse, delta) tiles, and dS^T for the dQ product
+        size = (2 * self.block_n + 2 * self.num_stages * self.block_m) * row
+        size += self.num_stages * 2 * self.block_m * 4
+        if "q" in self.grads:
+            size += self.block_n * (self.block_m + 8) * 2
+        return size
 
     # ---- naming and serialization -----------------------------------------------------------
 

@@ -17,38 +17,82 @@ FORWARD_TABLE = {
     (256, False): [(64, 64, 4, 2), (64, 32, 4, 2)],
     (256, True): [(64, 64, 4, 2), (64, 32, 4, 2)],
 }
+# Ampere and Ada (sm_8x) hold fewer registers' worth of these tiles before ptxas spills.
+FORWARD_TABLE_SM8X = {**FORWARD_TABLE, (128, True): [(64, 64, 4, 2)]}
 SHORT_QUERY = 64  # at or below this many query rows, 64-row blocks waste less work
 
+# Backward: which kernels run. Up to head_dim 128 one key-major kernel keeps dK and dV in registers
+# together; above, dV and dK take separate passes so that each fits.
+BACKWARD_KINDS = {
+    (128, False): ["bwd_kvq"],
+    (128, True): ["bwd_kv", "bwd_q"],
+    (256, False): ["bwd_v", "bwd_kq"],
+    (256, True): ["bwd_v", "bwd_k", "bwd_q"],
+}  # (head-dim bound, deterministic) -> kinds, key-major first
+# (key- or query-major, head-dim bound, causal) -> [(block_m, block_n, num_warps, num_stages), ...]
+BACKWARD_TABLE = {
+    ("key", 64, False): [(64, 128, 8, 2), (64, 64, 4, 2)],
+    ("key", 64, True): [(64, 128, 8, 2), (64, 64, 4, 2)],
+    ("key", 128, False): [(64, 128, 8, 2), (64, 64, 4, 2)],
+    ("key", 128, True): [(64, 64, 4, 2), (32, 128, 8, 2)],
+    ("key", 256, False): [(32, 64, 4, 2), (16, 64, 4, 2)],
+    ("key", 256, True): [(32, 64, 4, 2), (16, 64, 4, 2)],
+    ("query", 64, False): [(128, 64, 4, 2), (64, 64, 4, 2)],
+    ("query", 64, True): [(128, 64, 4, 2), (64, 64, 4, 2)],
+    ("query", 128, False): [(64, 64, 4, 2), (64, 32, 4, 2)],
+    ("query", 128, True): [(64, 64, 4, 2), (64, 32, 4, 2)],
+    ("query", 256, False): [(64, 32, 4, 2), (32, 32, 2, 2)],
+    ("query", 256, True): [(64, 32, 4, 2), (32, 32, 2, 2)],
+}
 
-def forward_spec(head_dim: int, dtype: str, causal: bool, arch: str, seqlen_q: int) -> KernelSpec:
-    # head_dim > 256 uses the last row, so KernelSpec rejects it with a SpecError, not StopIteration
-    bound = next((b for b in (64, 128, 256) if head_dim <= b), 256)
-    candidates = FORWARD_TABLE[(bound, causal)]
-    if seqlen_q <= SHORT_QUERY:
-        candidates = [c for c in candidates if c[0] == 64] + candidates
+
+def _bound(head_dim: int) -> int:
+    # head_dim > 256 falls in the last row, so KernelSpec rejects it with a SpecError
+    return next((b for b in (64, 128, 256) if head_dim <= b), 256)
+
+
+def _first_valid(candidates, kind, head_dim, dtype, causal, arch) -> KernelSpec:
     error = None
     for block_m, block_n, num_warps, num_stages in candidates:
         try:
-            return KernelSpec(
-                head_dim=head_dim, block_m=block_m, block_n=block_n, dtype=dtype, causal=causal,
-                num_warps=num_warps, num_stages=num_stages, arch=arch,
-            )
+            return KernelSpec(head_dim, block_m, block_n, dtype, causal, num_warps, num_stages, arch, kind)
         except SpecError as rejected:
             error = rejected
-    raise SpecError(f"no forward tile shape fits head_dim={head_dim} on {arch}: {error}")
+    raise SpecError(f"no {kind} tile shape fits head_dim={head_dim} on {arch}: {error}")
+
+
+def forward_spec(head_dim: int, dtype: str, causal: bool, arch: str, seqlen_q: int) -> KernelSpec:
+    table = FORWARD_TABLE_SM8X if arch.startswith("sm_8") else FORWARD_TABLE
+    candidates = table[(_bound(head_dim), causal)]
+    if seqlen_q <= SHORT_QUERY:
+        candidates = [c for c in candidates if c[0] == 64] + candidates
+    return _first_valid(candidates, "fwd", head_dim, dtype, causal, arch)
+
+
+def backward_specs(head_dim: int, dtype: str, causal: bool, arch: str, deterministic: bool) -> list[KernelSpec]:
+    """The backward kernels to run, in order; the first one also runs the prep (delta) kernel."""
+    kinds = BACKWARD_KINDS[(128 if head_dim <= 128 else 256, deterministic)]
+    return [
+        _first_valid(
+            BACKWARD_TABLE[("query" if kind == "bwd_q" else "key", _bound(head_dim), causal)],
+            kind, head_dim, dtype, causal, arch,
+        )
+        for kind in kinds
+    ]
 
 
 TEST_HEAD_DIMS = (32, 40, 64, 80, 96, 128, 192, 256)
 
 
-def shipped_forward_specs(arch: str, head_dims=TEST_HEAD_DIMS) -> list[KernelSpec]:
-    """Every spec the table picks on `arch` for these head dims, both dtypes and masks."""
+def shipped_specs(arch: str, head_dims=TEST_HEAD_DIMS) -> list[KernelSpec]:
+    """Every spec the tables pick on `arch` for these head dims, both dtypes and masks: forward,
+    and backward in both modes."""
     specs = []
     for head_dim in head_dims:
         for dtype in ("bf16", "fp16"):
             for causal in (False, True):
-                for seqlen_q in (SHORT_QUERY, SHORT_QUERY + 1):
-                    spec = forward_spec(head_dim, dtype, causal, arch, seqlen_q)
-                    if spec not in specs:
-                        specs.append(spec)
+                picked = [forward_spec(head_dim, dtype, causal, arch, t) for t in (SHORT_QUERY, SHORT_QUERY + 1)]
+                for deterministic in (False, True):
+                    picked += backward_specs(head_dim, dtype, causal, arch, deterministic)
+                specs += [spec for spec in dict.fromkeys(picked) if spec not in specs]
     return specs

@@ -180,3 +180,16 @@ def test_entries_and_clear(root):
     assert entry["name"] == SPEC.name and entry["path"] == str(artifact.path) and entry["bytes"] > len(artifact.cubin)
     assert cache.clear() == 1
     assert cache.entries() == [] and not artifact.path.exists()
+
+
+def test_clear_leaves_other_files_alone(root):
+    cache = KernelCache(root)
+    cache.get(SPEC)
+    (root / "notes").mkdir()
+    (root / "notes" / "keep.txt").write_text("mine")
+    (root / flashgen.__version__ / "README").write_text("mine too")
+    assert cache.clear() == 1
+    assert cache.entries() == []
+    assert (root / "notes" / "keep.txt").read_text() == "mine"
+    assert (root / flashgen.__version__ / "README").read_text() == "mine too"
+    assert not (root / flashgen.__version__ / SPEC.arch).exists()

@@ -8,13 +8,15 @@ from flashgen.compile import Resources, compile_source, parse_resources
 from flashgen.render import render
 from flashgen.spec import SMEM_LIMIT, KernelSpec
 
-SHIPPED = tuning.shipped_forward_specs("sm_90a") + tuning.shipped_forward_specs("sm_80")
+# Every spec the tables pick on the H200, forward and backward; sm_80 for the most common head dims.
+SHIPPED = tuning.shipped_specs("sm_90a") + tuning.shipped_specs("sm_80", head_dims=(64, 128))
 
 
-def test_sweep_covers_both_targets():
+def test_sweep_covers_both_targets_and_every_kind():
     assert len(set(SHIPPED)) == len(SHIPPED)
     assert {spec.arch for spec in SHIPPED} == {"sm_90a", "sm_80"}
     assert {spec.head_dim for spec in SHIPPED} == set(tuning.TEST_HEAD_DIMS)
+    assert {spec.kind for spec in SHIPPED} == set(flashgen.spec.KINDS)
 
 
 @pytest.mark.parametrize("spec", SHIPPED, ids=lambda spec: spec.name)
@@ -50,6 +52,14 @@ ptxas info    : Function properties for k
 ptxas         .     24 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads
 ptxas info    : Used 255 registers, used 1 barriers, 1024 bytes smem, 400 bytes cmem[0]
 """
+
+
+def test_parse_resources_picks_the_named_function():
+    two = SAMPLE_LOG + SAMPLE_LOG.replace("'k'", "'k_prep'").replace(" k\n", " k_prep\n").replace("255 registers", "25 registers")
+    assert parse_resources(two, "k_prep").registers == 25
+    assert parse_resources(two, "k").registers == 255
+    with pytest.raises(ValueError):
+        parse_resources(two, "other")
 
 
 def test_parse_resources_reads_the_ptxas_report():

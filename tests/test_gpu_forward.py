@@ -29,7 +29,7 @@ def prebuilt(tmp_path_factory):
     """Compile every spec the sweep needs in parallel processes before the tests run."""
     from flashgen.api import device_arch
 
-    specs = tuning.shipped_forward_specs(device_arch(0))
+    specs = tuning.shipped_specs(device_arch(0))
     flashgen.build(specs, tmp_path_factory.mktemp("prebuilt"))
 
 

@@ -1,0 +1,252 @@
+"""The `flashgen` command: build | list | show | bench | cache | doctor.
+
+Thin by design: it parses options, calls the library, prints. Nothing lives only here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from itertools import product
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from flashgen.spec import ARCHS
+
+console = Console()
+
+
+def _ints(ctx, param, value):
+    """'64,128' -> [64, 128]; None stays None."""
+    if value is None:
+        return None
+    try:
+        return [int(part) for part in str(value).split(",") if part.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected integers separated by commas") from None
+
+
+def _words(choices):
+    def parse(ctx, param, value):
+        words = [w.strip() for w in str(value).split(",") if w.strip()]
+        expanded = []
+        for word in words:
+            if word == "both" and len(choices) == 2:
+                expanded += list(choices)
+            elif word in choices:
+                expanded.append(word)
+            else:
+                allowed = ", ".join([*choices, "both"] if len(choices) == 2 else choices)
+                raise click.BadParameter(f"{word!r}: must be one of {allowed}")
+        return list(dict.fromkeys(expanded))
+
+    return parse
+
+
+def spec_options(multiple: bool):
+    """The options that describe a KernelSpec; with multiple=True each takes comma lists."""
+    many = " (comma-separated list)" if multiple else ""
+
+    def decorate(fn):
+        options = [
+            click.option("--d", "head_dims", required=True, callback=_ints, help=f"head dim{many}"),
+            click.option("--block", "blocks_m", callback=_ints, help=f"query rows per block (block_m){many}; default: tuned"),
+            click.option("--block-n", "blocks_n", callback=_ints, help=f"key rows per stage{many}; default: tuned"),
+            click.option("--warps", "warps", callback=_ints, help=f"warps per block{many}; default: tuned"),
+            click.option("--stages", "stages", callback=_ints, help=f"key/value tiles in flight{many}; default: tuned"),
+            click.option("--dtype", "dtypes", default="bf16", show_default=True,
+                         callback=_words(("fp16", "bf16")), help="fp16, bf16 or both"),
+            click.option("--causal", "causal", is_flag=False, flag_value="yes", default="no", show_default=True,
+                         callback=_words(("yes", "no")), help="causal mask: yes (bare --causal), no or both"),
+            click.option("--no-causal", "no_causal", is_flag=True, help="same as --causal no"),
+            click.option("--arch", "archs", default="sm_90a", show_default=True,
+                         callback=_words(ARCHS), help="compile target(s)"),
+        ]
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+
+    return decorate
+
+
+def specs_from_options(head_dims, blocks_m, blocks_n, warps, stages, dtypes, causal, no_causal, archs):
+    """Every combination of the options, tile shapes defaulting to the tuning table's choice."""
+    from flashgen import tuning
+    from flashgen.spec import KernelSpec
+
+    causals = [False] if no_causal else [c == "yes" for c in causal]
+    specs = []
+    for head_dim, dtype, is_causal, arch in product(head_dims, dtypes, causals, archs):
+        tuned = tuning.forward_spec(head_dim, dtype, is_causal, arch, seqlen_q=4096)
+        for block_m, block_n, num_warps, num_stages in product(
+            blocks_m or [tuned.block_m], blocks_n or [tuned.block_n],
+            warps or [None], stages or [tuned.num_stages],
+        ):
+            if num_warps is None:  # keep the tuned warp count when it fits the block
+                num_warps = tuned.num_warps if block_m // tuned.num_warps in (16, 32) else max(1, min(8, block_m // 32))
+            spec = KernelSpec(head_dim, block_m, block_n, dtype, is_causal, num_warps, num_stages, arch)
+            if spec not in specs:
+                specs.append(spec)
+    return specs
+
+
+def _fail(error: Exception):
+    console.print(f"[red]error:[/red] {error}")
+    sys.exit(1)
+
+
+@click.group()
+@click.version_option(package_name="flashgen")
+def main():
+    """flashgen: exact FlashAttention kernels generated for each head size, dtype, tile and mask."""
+
+
+@main.command()
+@spec_options(multiple=True)
+@click.option("--out", default="generated", show_default=True, type=click.Path(file_okay=False),
+              help="folder for the .cu, .cubin, .json and .py of each kernel")
+@click.option("--jobs", "-j", type=int, default=None, help="parallel compile processes (default: one per core)")
+@click.option("--with-backward/--no-backward", default=True, show_default=True,
+              help="also build the backward kernels (fast and deterministic) of each forward kernel")
+def build(out, jobs, with_backward, **options):
+    """Compile kernels ahead of time into an importable folder."""
+    from flashgen import SpecError, aot
+
+    try:
+        specs = specs_from_options(**options)
+    except SpecError as error:
+        _fail(error)
+    try:
+        with Progress(console=console, transient=True) as progress:
+            plan = aot.with_backward(specs) if with_backward else specs
+            task = progress.add_task(f"compiling {len(plan)} kernel(s)", total=len(plan))
+            metas = aot.build(specs, Path(out), jobs=jobs, backward=with_backward,
+                              progress=lambda meta: progress.advance(task))
+    except Exception as error:  # CompileError, CacheError: say what and where, no traceback
+        _fail(error)
+    _print_kernels(metas, f"built into {out}/")
+
+
+@main.command(name="list")
+@click.option("--out", default="generated", show_default=True, type=click.Path(file_okay=False))
+def list_kernels(out):
+    """Show the kernels built into a folder."""
+    from flashgen import aot
+
+    metas = aot.built(Path(out))
+    if not metas:
+        console.print(f"no kernels in {out}/ (run `flashgen build --d 64`)")
+        return
+    _print_kernels(metas, f"{out}/")
+
+
+def _print_kernels(metas, title):
+    table = Table(title=title)
+    for column in ("kernel", "regs", "spills", "smem", "nvrtc"):
+        table.add_column(column, justify="left" if column == "kernel" else "right")
+    for meta in sorted(metas, key=lambda m: m["name"]):
+        res = meta["resources"]
+        table.add_row(
+            meta["name"], str(res["registers"]), str(res["spill_stores"] + res["spill_loads"]),
+            f"{(meta['smem_dynamic'] + res['static_smem']) // 1024} KiB", meta["nvrtc"],
+        )
+    console.print(table)
+
+
+@main.command()
+@spec_options(multiple=False)
+@click.option("--resources", is_flag=True, help="also compile it and print ptxas' report")
+def show(resources, **options):
+    """Print the CUDA source flashgen renders for one spec."""
+    from flashgen import SpecError, render
+    from flashgen.compile import compile_source
+
+    try:
+        specs = specs_from_options(**options)
+    except SpecError as error:
+        _fail(error)
+    for spec in specs:
+        source = render(spec)
+        click.echo(source)
+        if resources:
+            try:
+                report = compile_source(spec, source).resources
+            except Exception as error:
+                _fail(error)
+            click.echo(f"// {spec.name}: {json.dumps(report.to_dict())}, {spec.smem_bytes} bytes dynamic smem")
+
+
+@main.command()
+@click.option("--d", "head_dims", default="64,128", show_default=True, callback=_ints)
+@click.option("--seqlens", default="512,1024,2048,4096,8192,16384", show_default=True, callback=_ints)
+@click.option("--modes", default="fwd,bwd,fwd+bwd", show_default=True, callback=_words(("fwd", "bwd", "fwd+bwd")))
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="also write the numbers here")
+def bench(head_dims, seqlens, modes, json_path):
+    """flashgen next to SDPA's FLASH, CUDNN and EFFICIENT backends, in TFLOPS."""
+    from flashgen import bench as benchmark
+
+    try:
+        benchmark.run(head_dims=head_dims, seqlens=seqlens, modes=modes, json_path=json_path, console=console)
+    except RuntimeError as error:
+        _fail(error)
+
+
+@main.group()
+def cache():
+    """Inspect or clear the on-disk kernel cache ($FLASHGEN_CACHE_DIR)."""
+
+
+@cache.command()
+def info():
+    """Where the cache is and what it holds."""
+    from flashgen.cache import default_cache
+
+    store = default_cache()
+    entries = store.entries()
+    total = sum(e["bytes"] for e in entries)
+    console.print(f"cache: {store.root} — {len(entries)} kernel(s), {total / 1024:.0f} KiB")
+    for entry in entries:
+        console.print(f"  {entry['flashgen']}/{entry['spec']['arch']}/{entry['name']}  {entry['bytes'] / 1024:.0f} KiB")
+
+
+@cache.command()
+def clear():
+    """Delete every cached kernel."""
+    from flashgen.cache import default_cache
+
+    store = default_cache()
+    console.print(f"removed {store.clear()} kernel(s) from {store.root}")
+
+
+@main.command()
+def doctor():
+    """Versions, GPU, NVRTC and cache: what flashgen sees on this machine."""
+    import torch
+
+    import flashgen
+    from flashgen.cache import cache_root
+
+    console.print(f"flashgen {flashgen.__version__}, torch {torch.__version__}, python {sys.version.split()[0]}")
+    try:
+        from flashgen.compile import nvrtc_version
+
+        console.print(f"NVRTC {nvrtc_version()}")
+    except Exception as error:  # a deployment may run prebuilt kernels with no NVRTC at all
+        console.print(f"NVRTC unavailable ({error}); prebuilt kernels still load")
+    if torch.cuda.is_available():
+        from flashgen.api import device_arch
+
+        for index in range(torch.cuda.device_count()):
+            console.print(f"GPU {index}: {torch.cuda.get_device_name(index)} -> {device_arch(index)}")
+    else:
+        console.print("no CUDA GPU visible: build, show and the cache work; attention() needs a GPU")
+    console.print(f"cache: {cache_root()}  FLASHGEN_NO_JIT={os.environ.get('FLASHGEN_NO_JIT', '')!r}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""GPU tier: gradients against the fp32 reference by FlashAttention's rule with factor 3:
+max|grad - ref| <= 3 * max|grad_lp - ref| + 1e-5, where ref comes from naive attention in fp32 and
+grad_lp from the same computation in the kernel's dtype."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import flashgen
+from flashgen import tuning
+from flashgen.reference import naive_attention
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+SEQLENS = (1, 17, 113, 128, 1000, 1023, 2048)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prebuilt(tmp_path_factory):
+    from flashgen.api import device_arch
+
+    flashgen.build(tuning.shipped_specs(device_arch(0)), tmp_path_factory.mktemp("prebuilt"), backward=False)
+
+
+def make_qkv(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, dtype, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(batch, heads, seqlen_q, head_dim, device="cuda", dtype=dtype, generator=gen)
+    k = torch.randn(batch, kv_heads, seqlen_k, head_dim, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn(batch, kv_heads, seqlen_k, head_dim, device="cuda", dtype=dtype, generator=gen)
+    return q, k, v
+
+
+def grads(fn, q, k, v, d_o):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    out.backward(d_o)
+    return out, q.grad, k.grad, v.grad
+
+
+def check_gradients(q, k, v, causal, deterministic=False, d_o=None):
+    d_o = torch.randn_like(q) if d_o is None else d_o
+    ours = grads(lambda q, k, v: flashgen.attention(q, k, v, causal=causal, deterministic=deterministic), q, k, v, d_o)
+    ref = grads(lambda q, k, v: naive_attention(q, k, v, causal=causal)[0], q, k, v, d_o)
+    low = grads(lambda q, k, v: naive_attention(q, k, v, causal=causal, upcast=False)[0], q, k, v, d_o)
+    for name, mine, exact, lowp in zip(("out", "dq", "dk", "dv"), ours, ref, low):
+        assert mine.shape == exact.shape and mine.dtype == q.dtype, name
+        assert not mine.isnan().any(), f"NaN in {name}"
+        err = (mine.float() - exact.float()).abs().max().item()
+        bound = (2 if name == "out" else 3) * (lowp.float() - exact.float()).abs().max().item() + 1e-5
+        assert err <= bound, f"{name}: max error {err:.3e} > bound {bound:.3e}"
+    return ours
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlen", SEQLENS)
+@pytest.mark.parametrize("head_dim", tuning.TEST_HEAD_DIMS)
+def test_gradients_match_reference(head_dim, seqlen, causal, dtype):
+    q, k, v = make_qkv(2, 2, 2, seqlen, seqlen, head_dim, DTYPES[dtype], seed=seqlen * 7 + head_dim)
+    check_gradients(q, k, v, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 128), (17, 1000), (113, 2048), (128, 1), (1000, 17), (2048, 113)])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+def test_gradients_for_different_lengths(head_dim, seqlen_q, seqlen_k, causal):
+    q, k, v = make_qkv(2, 2, 2, seqlen_q, seqlen_k, head_dim, torch.bfloat16, seed=seqlen_q + seqlen_k)
+    check_gradients(q, k, v, causal)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
+@pytest.mark.parametrize("kv_heads", [8, 2, 1], ids=["mha", "gqa4", "mqa"])
+@pytest.mark.parametrize("head_dim", [64, 128, 192])
+def test_grouped_query_gradients(head_dim, kv_heads, deterministic):
+    q, k, v = make_qkv(2, 8, kv_heads, 333, 333, head_dim, torch.bfloat16)
+    check_gradients(q, k, v, causal=True, deterministic=deterministic)
+
+
+@pytest.mark.parametrize("head_dim", tuning.TEST_HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_deterministic_mode_matches_reference(head_dim, causal):
+    q, k, v = make_qkv(2, 2, 2, 1000, 777, head_dim, torch.float16, seed=head_dim)
+    check_gradients(q, k, v, causal, deterministic=True)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_deterministic_reruns_are_bitwise_identical(head_dim):
+    q, k, v = make_qkv(2, 8, 2, 2048, 2048, head_dim, torch.bfloat16)
+    d_o = torch.randn_like(q)
+    fn = lambda q, k, v: flashgen.attention(q, k, v, causal=True, deterministic=True)  # noqa: E731
+    first = grads(fn, q, k, v, d_o)
+    for _ in range(3):
+        again = grads(fn, q, k, v, d_o)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+
+
+def test_default_mode_dk_dv_are_bitwise_identical():
+    q, k, v = make_qkv(2, 8, 2, 2048, 2048, 64, torch.bfloat16)
+    d_o = torch.randn_like(q)
+    fn = lambda q, k, v: flashgen.attention(q, k, v, causal=True)  # noqa: E731
+    _, _, dk, dv = grads(fn, q, k, v, d_o)
+    _, _, dk2, dv2 = grads(fn, q, k, v, d_o)
+    assert torch.equal(dk, dk2) and torch.equal(dv, dv2)
+
+
+def test_strided_inputs_and_gradient():
+    batch, seqlen, heads, head_dim = 2, 300, 4, 64
+    qkv = torch.randn(batch, seqlen, 3, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    d_o = torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    check_gradients(q, k, v, causal=True, d_o=d_o)
+
+
+def test_gradient_through_lse():
+    q, k, v = make_qkv(1, 2, 2, 200, 300, 64, torch.float32)
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+
+    def loss(fn):
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out, lse = fn(qq, kk, vv)
+        (out.float().sum() + lse.sum()).backward()
+        return qq.grad.float(), kk.grad.float(), vv.grad.float()
+
+    ours = loss(lambda q, k, v: flashgen.attention(q, k, v, causal=True, return_lse=True))
+    ref = loss(lambda q, k, v: naive_attention(q, k, v, causal=True))
+    for mine, exact in zip(ours, ref):
+        assert (mine - exact).abs().max().item() < 5e-2 * exact.abs().max().item() + 1e-2
+
+
+def test_torch_compile_forward_and_backward():
+    q, k, v = make_qkv(2, 4, 4, 300, 300, 64, torch.bfloat16)
+
+    @torch.compile(fullgraph=True)
+    def step(q, k, v):
+        return flashgen.attention(q, k, v, causal=True).float().square().sum()
+
+    def eager(q, k, v):
+        return flashgen.attention(q, k, v, causal=True, deterministic=True).float().square().sum()
+
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    step(*leaves).backward()
+    expected = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    eager(*expected).backward()
+    for a, b in zip(leaves, expected):
+        torch.testing.assert_close(a.grad, b.grad, rtol=2e-2, atol=2e-2)
+
+
+def test_cuda_graph_of_a_training_step():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 3 * 64, device="cuda", dtype=torch.bfloat16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(2, 256, 64, device="cuda", dtype=torch.bfloat16)
+
+    def train_step():
+        optimizer.zero_grad(set_to_none=False)
+        q, k, v = model(x).view(2, 256, 3, 4, 16).permute(2, 0, 3, 1, 4).unbind(0)
+        loss = flashgen.attention(q, k, v, causal=True, deterministic=True).float().square().mean()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # warm-up: compile, load, allocate outside the capture
+            train_step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = train_step()
+    weights = model.weight.detach().clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.isfinite(static_loss).item()
+    assert not torch.equal(weights, model.weight)  # the replay trained
+    # The same step in eager mode from the same weights gives the same update.
+    replayed = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.copy_(weights)
+    eager_loss = train_step()
+    torch.testing.assert_close(model.weight, replayed, rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(eager_loss, static_loss, rtol=1e-3, atol=0)
+
+
+def test_backward_memory_is_linear_at_32k():
+    batch, heads, seqlen, head_dim = 1, 4, 32768, 64
+    q, k, v = (t.requires_grad_() for t in make_qkv(batch, heads, heads, seqlen, seqlen, head_dim, torch.bfloat16))
+    out = flashgen.attention(q, k, v, causal=True)
+    d_o = torch.randn_like(out)
+    out.backward(d_o, retain_graph=True)  # warm
+    q.grad = k.grad = v.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out.backward(d_o)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    tensor = batch * heads * seqlen * head_dim * 2
+    # dq, dk, dv (3 tensors), the fp32 dq accumulator (2 tensors' worth) and O(T) statistics.
+    assert extra <= 5 * tensor + (8 << 20), f"backward allocated {extra / 2**20:.0f} MiB"
+
+
+def test_prebuilt_module_is_differentiable_without_a_compiler(tmp_path):
+    out_dir = tmp_path / "aot_grad"
+    spec = flashgen.KernelSpec(head_dim=64, block_m=128, block_n=64, causal=True)
+    flashgen.build([spec], out_dir)
+    script = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(tmp_path)!r})
+        import flashgen.cache, flashgen.compile
+        def refuse(*a, **k):
+            raise AssertionError("NVRTC was called")
+        flashgen.compile.compile_source = flashgen.cache.compile_source = refuse
+        from aot_grad import {spec.name} as module
+        from flashgen.reference import naive_attention
+        q, k, v = (torch.randn(2, 4, 500, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        for deterministic in (False, True):
+            module.attention(q, k, v, deterministic=deterministic).float().sum().backward()
+            ours = [t.grad.float().clone() for t in (q, k, v)]
+            for t in (q, k, v):
+                t.grad = None
+            naive_attention(q, k, v, causal=True)[0].float().sum().backward()
+            for a, t in zip(ours, (q, k, v)):
+                assert (a - t.grad.float()).abs().max().item() < 5e-2, deterministic
+                t.grad = None
+        print("ok")
+    """)
+    env = {**os.environ, "FLASHGEN_NO_JIT": "1", "FLASHGEN_CACHE_DIR": str(tmp_path / "empty-cache")}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("ok")
