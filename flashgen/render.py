@@ -61,7 +61,7 @@ def template_context(spec: KernelSpec) -> dict:
         "has_dq": "q" in grads,
         "need_dp": "k" in grads or "q" in grads,
         "gemms": gemms,
-        "grads_text": " and ".join({"k": "dK (already scaled)", "v": "dV"}[g] for g in grads if g != "q"),
+        "grads_text": " and ".join({"k": "dK", "v": "dV"}[g] for g in grads if g != "q"),
         "prep_lanes": 1 << (spec.head_dim // 8 - 1).bit_length(),
     }
 

@@ -174,15 +174,16 @@ def test_cuda_graph_of_a_training_step():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_loss = train_step()
-    weights = model.weight.detach().clone()
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
     graph.replay()
     torch.cuda.synchronize()
     assert torch.isfinite(static_loss).item()
-    assert not torch.equal(weights, model.weight)  # the replay trained
-    # The same step in eager mode from the same weights gives the same update.
+    assert not torch.equal(weights["weight"], model.weight)  # the replay trained
+    # The same step in eager mode from the same parameters gives the same update.
     replayed = model.weight.detach().clone()
     with torch.no_grad():
-        model.weight.copy_(weights)
+        for name, p in model.named_parameters():
+            p.copy_(weights[name])
     eager_loss = train_step()
     torch.testing.assert_close(model.weight, replayed, rtol=1e-2, atol=1e-3)
     torch.testing.assert_close(eager_loss, static_loss, rtol=1e-3, atol=0)
