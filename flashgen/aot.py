@@ -127,7 +127,7 @@ class PrebuiltKernel:
 
     def __call__(self, q, k, v, *, scale: float | None = None, return_lse: bool = False,
                  deterministic: bool = False):
-        from .api import DTYPES, attention_fwd, check_inputs, softmax_scale
+        from .api import DTYPES, check_inputs, run_attention, softmax_scale
 
         check_inputs(q, k, v)
         spec = self.spec
@@ -136,7 +136,7 @@ class PrebuiltKernel:
                 f"{spec.name} takes head_dim={spec.head_dim} {spec.dtype}; got head_dim="
                 f"{q.shape[-1]} {DTYPES[q.dtype]}"
             )
-        o, lse = attention_fwd(
+        o, lse = run_attention(
             q, k, v, spec.causal, softmax_scale(scale, spec.head_dim), spec.name, bool(deterministic)
         )
         return (o, lse) if return_lse else o

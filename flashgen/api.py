@@ -1,7 +1,9 @@
-"""flashgen.attention: input checks, kernel choice, and the torch.library custom op.
+"""flashgen.attention: input checks, kernel choice, and the torch.library custom ops.
 
-The op takes the kernel's name as a plain string ("" = choose by heuristic), so a graph traced by
-torch.compile holds no Python objects, and prebuilt (ahead-of-time) kernels run through the same op.
+The ops take the kernel's name as a plain string ("" = choose by heuristic), so a graph traced by
+torch.compile holds no Python objects, and prebuilt (ahead-of-time) kernels run through the same
+ops. In eager mode the same implementations run without the op dispatcher, which costs more per
+call than everything else together (see run_attention).
 """
 
 from __future__ import annotations
@@ -84,12 +86,8 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("flashgen::attention_fwd", mutates_args=(), device_types="cuda")
-def attention_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, kernel: str,
-    deterministic: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, lse). `deterministic` only chooses the backward kernels (the forward always is)."""
+def forward_impl(q, k, v, causal: bool, scale: float, kernel: str):
+    """(o, lse) by the forward kernel."""
     batch, heads, seqlen_q, _ = q.shape
     o = torch.empty_like(q)
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
@@ -101,17 +99,7 @@ def attention_fwd(
     return o, lse
 
 
-@attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, causal, scale, kernel, deterministic):
-    batch, heads, seqlen_q, _ = q.shape
-    return torch.empty_like(q), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
-
-
-@torch.library.custom_op("flashgen::attention_bwd", mutates_args=(), device_types="cuda")
-def attention_bwd(
-    d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-    lse: torch.Tensor, d_lse: torch.Tensor | None, causal: bool, scale: float, deterministic: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def backward_impl(d_o, q, k, v, o, lse, d_lse, causal: bool, scale: float, deterministic: bool):
     """(dq, dk, dv) from the forward's inputs, output and log-sum-exp; P is recomputed."""
     batch, heads, seqlen_q, head_dim = q.shape
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)  # dk, dv: one layout
@@ -133,6 +121,30 @@ def attention_bwd(
     return dq, dk, dv
 
 
+@torch.library.custom_op("flashgen::attention_fwd", mutates_args=(), device_types="cuda")
+def attention_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, kernel: str,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse). `deterministic` only chooses the backward kernels (the forward always is)."""
+    return forward_impl(q, k, v, causal, scale, kernel)
+
+
+@attention_fwd.register_fake
+def _attention_fwd_fake(q, k, v, causal, scale, kernel, deterministic):
+    batch, heads, seqlen_q, _ = q.shape
+    return torch.empty_like(q), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashgen::attention_bwd", mutates_args=(), device_types="cuda")
+def attention_bwd(
+    d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+    lse: torch.Tensor, d_lse: torch.Tensor | None, causal: bool, scale: float, deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) from the forward's inputs, output and log-sum-exp; P is recomputed."""
+    return backward_impl(d_o, q, k, v, o, lse, d_lse, causal, scale, deterministic)
+
+
 @attention_bwd.register_fake
 def _attention_bwd_fake(d_o, q, k, v, o, lse, d_lse, causal, scale, deterministic):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
@@ -146,15 +158,39 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # an unused lse then costs nothing in the backward
 
 
-def _backward(ctx, d_o, d_lse):
+def _backward(ctx, d_o, d_lse, backward=attention_bwd):
     q, k, v, o, lse = ctx.saved_tensors
     if d_o is None:
         d_o = torch.zeros_like(o)
-    dq, dk, dv = attention_bwd(d_o, q, k, v, o, lse, d_lse, ctx.causal, ctx.scale, ctx.deterministic)
+    dq, dk, dv = backward(d_o, q, k, v, o, lse, d_lse, ctx.causal, ctx.scale, ctx.deterministic)
     return dq, dk, dv, None, None, None, None
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The custom op's autograd, minus the dispatcher: what eager training calls."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, kernel, deterministic):
+        output = forward_impl(q, k, v, causal, scale, kernel)
+        _setup_context(ctx, (q, k, v, causal, scale, kernel, deterministic), output)
+        return output
+
+    @staticmethod
+    def backward(ctx, d_o, d_lse):
+        return _backward(ctx, d_o, d_lse, backward=backward_impl)
+
+
+def run_attention(q, k, v, causal: bool, scale: float, kernel: str, deterministic: bool):
+    """(o, lse): through the custom op when torch.compile traces the call; in eager mode through
+    the same implementation directly (with autograd only when a gradient is needed)."""
+    if torch.compiler.is_compiling():
+        return attention_fwd(q, k, v, causal, scale, kernel, deterministic)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _EagerAttention.apply(q, k, v, causal, scale, kernel, deterministic)
+    return forward_impl(q, k, v, causal, scale, kernel)
 
 
 def check_inputs(q, k, v) -> None:
@@ -234,5 +270,5 @@ def attention(
     a separate pass instead, which costs some speed and gives bitwise-identical gradients.
     """
     check_inputs(q, k, v)
-    o, lse = attention_fwd(q, k, v, bool(causal), softmax_scale(scale, q.shape[-1]), "", bool(deterministic))
+    o, lse = run_attention(q, k, v, bool(causal), softmax_scale(scale, q.shape[-1]), "", bool(deterministic))
     return (o, lse) if return_lse else o

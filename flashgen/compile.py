@@ -7,6 +7,7 @@ may be older than the NVRTC wheel, and could not JIT newer PTX. Compiling needs 
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import os
 import re
 from dataclasses import asdict, dataclass
@@ -68,8 +69,14 @@ def _nvrtc():
 
 @functools.cache
 def nvrtc_version() -> str:
-    major, minor = _nvrtc().getVersion()
-    return f"{major}.{minor}"
+    """The NVRTC release kernels are compiled with. From the pip wheel's metadata when the wheel
+    is installed (CuPy loads that library first): loading libnvrtc just to ask would cost a warm
+    start from the cache more than everything else it does."""
+    try:
+        return importlib.metadata.version("nvidia-cuda-nvrtc")
+    except importlib.metadata.PackageNotFoundError:
+        major, minor = _nvrtc().getVersion()
+        return f"{major}.{minor}"
 
 
 def compile_options(spec: KernelSpec) -> list[str]:

@@ -1,28 +1,76 @@
-"""Load cubins with CuPy and launch them on PyTorch's current stream.
+"""Load cubins and launch them on PyTorch's current stream, through the CUDA driver API.
 
-CuPy and PyTorch share the device's primary CUDA context, so a function loaded here can read and
-write torch tensors through their raw pointers.
+The driver is called directly with ctypes (libcuda is there wherever a kernel can run): importing
+CuPy alone costs more than the whole warm load of a cached kernel, and its launch path more than
+ours. Kernels run in the device's primary context, the one PyTorch uses, so they read and write
+torch tensors through their raw pointers. CuPy is only needed to compile (compile.py).
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
+import struct
+import threading
 
-import numpy as np
 import torch
 
 from .spec import KernelSpec
 
 LOG2E = 1.4426950408889634
+_MAX_DYNAMIC_SMEM, _SMEM_CARVEOUT = 8, 9  # CUfunction_attribute values
+_PARAM_BUFFER_POINTER, _PARAM_BUFFER_SIZE, _PARAM_END = 1, 2, 0  # cuLaunchKernel `extra` keys
+
+# Kernel parameters packed with C alignment (struct's "@" mode), in template order.
+# P: pointer, i: int, q: long long, f: float.
+FORWARD_ARGS = struct.Struct("@5P3i12qf")
+PREP_ARGS = struct.Struct("@5P2i6q")
 
 
-class _Stream:
-    """The one attribute CuPy's launcher reads from a stream object."""
+class CudaError(RuntimeError):
+    """A CUDA driver call failed."""
 
-    __slots__ = ("ptr",)
 
-    def __init__(self, ptr: int):
-        self.ptr = ptr
+@functools.cache
+def _driver():
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as error:
+        raise CudaError("flashgen needs the NVIDIA driver (libcuda.so.1) to run kernels") from error
+    lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+    lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.cuModuleGetFunction.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p]
+    lib.cuModuleLoadData.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
+    _check(lib, lib.cuInit(0), "cuInit")
+    return lib
+
+
+def _check(lib, result: int, what: str) -> None:
+    if result:
+        name = ctypes.c_char_p()
+        lib.cuGetErrorName(result, ctypes.byref(name))
+        raise CudaError(f"{what} failed: {(name.value or b'?').decode()} ({result})")
+
+
+_contexts: dict[int, int] = {}
+_lock = threading.Lock()
+
+
+def _make_current(device: int) -> None:
+    """Make `device`'s primary context (PyTorch's) current on this thread."""
+    lib = _driver()
+    context = _contexts.get(device)
+    if context is None:
+        handle, ctx = ctypes.c_int(), ctypes.c_void_p()
+        _check(lib, lib.cuDeviceGet(ctypes.byref(handle), device), "cuDeviceGet")
+        _check(lib, lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), handle), "cuDevicePrimaryCtxRetain")
+        context = _contexts[device] = ctx.value
+    current = ctypes.c_void_p()
+    lib.cuCtxGetCurrent(ctypes.byref(current))
+    if current.value != context:
+        _check(lib, lib.cuCtxSetCurrent(context), "cuCtxSetCurrent")
 
 
 class Kernel:
@@ -35,86 +83,90 @@ class Kernel:
     def __init__(self, spec: KernelSpec, cubin: bytes):
         self.spec = spec
         self.cubin = cubin
-        self._modules: dict[int, object] = {}
-        self._functions: dict[tuple[int, str], object] = {}
+        self._modules: dict[int, int] = {}
+        self._functions: dict[tuple[int, str], int] = {}
 
-    def function(self, device: int, entry: str = ""):
+    def function(self, device: int, entry: str = "") -> int:
         function = self._functions.get((device, entry))
         if function is None:
-            function = self._functions[(device, entry)] = self._load(device, entry)
+            with _lock:
+                function = self._functions[(device, entry)] = self._load(device, entry)
         return function
 
-    def _load(self, device: int, entry: str):
-        import cupy
-        from cupy.cuda import driver
-
-        with cupy.cuda.Device(device):
-            module = self._modules.get(device)
-            if module is None:
-                module = self._modules[device] = cupy.cuda.function.Module()
-                module.load(self.cubin)
-            function = module.get_function(self.spec.name + entry)
-            if not entry:
-                driver.funcSetAttribute(
-                    function.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, self.spec.smem_bytes
-                )
-                # Ask for the largest shared-memory carve-out so two blocks fit on one SM.
-                driver.funcSetAttribute(function.ptr, driver.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
-        return function
+    def _load(self, device: int, entry: str) -> int:
+        lib = _driver()
+        _make_current(device)
+        module = self._modules.get(device)
+        if module is None:
+            handle = ctypes.c_void_p()
+            _check(lib, lib.cuModuleLoadData(ctypes.byref(handle), self.cubin), f"loading {self.spec.name}")
+            module = self._modules[device] = handle.value
+        function = ctypes.c_void_p()
+        name = (self.spec.name + entry).encode()
+        _check(lib, lib.cuModuleGetFunction(ctypes.byref(function), module, name), f"finding {name.decode()}")
+        if not entry:
+            smem = self.spec.smem_bytes
+            _check(lib, lib.cuFuncSetAttribute(function, _MAX_DYNAMIC_SMEM, smem), "setting shared memory")
+            # The largest shared-memory carve-out, so that two blocks fit on one SM.
+            _check(lib, lib.cuFuncSetAttribute(function, _SMEM_CARVEOUT, 100), "setting the carve-out")
+        return function.value
 
     def forward(self, q, k, v, o, lse, scale: float) -> None:
         """o, lse = attention(q, k, v) for (B, H, T, d) tensors already checked by the caller."""
         batch, heads, seqlen_q, _ = q.shape
-        args = (
+        params = FORWARD_ARGS.pack(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
-            np.int32(seqlen_q), np.int32(k.shape[2]), np.int32(heads // k.shape[1]),
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-            np.float32(scale * LOG2E),
+            seqlen_q, k.shape[2], heads // k.shape[1],
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], scale * LOG2E,
         )
-        self._launch(q.device.index, (math.ceil(seqlen_q / self.spec.block_m), heads, batch), args)
+        self._launch(q.device.index, (math.ceil(seqlen_q / self.spec.block_m), heads, batch), params)
 
     def backward_prep(self, o, d_o, lse, delta, lse_log2) -> None:
         """delta = rowsum(dO * O) and lse_log2 = lse * log2(e), padded rows (see the template)."""
         batch, heads, seqlen_q, head_dim = o.shape
         padded_q = delta.shape[-1]
         rows_per_block = 128 // (1 << (head_dim // 8 - 1).bit_length())
-        args = (
+        params = PREP_ARGS.pack(
             o.data_ptr(), d_o.data_ptr(), lse.data_ptr(), delta.data_ptr(), lse_log2.data_ptr(),
-            np.int32(seqlen_q), np.int32(padded_q), *o.stride()[:3], *d_o.stride()[:3],
+            seqlen_q, padded_q, *o.stride()[:3], *d_o.stride()[:3],
         )
         grid = (padded_q // rows_per_block, heads, batch)
-        self._launch(o.device.index, grid, args, entry="_prep", block=(128, 1, 1), smem=0)
+        self._launch(o.device.index, grid, params, entry="_prep", block=128, smem=0)
 
     def backward(self, q, k, v, d_o, lse_log2, delta, dk, dv, dq, scale: float) -> None:
         """The gradients this kernel writes (spec.grads): key-major kernels write dk and/or dv and
         add into dq (fp32) with atomics; bwd_q writes dq (q's dtype)."""
         batch, heads, seqlen_q, _ = q.shape
         kv_heads, seqlen_k = k.shape[1], k.shape[2]
-        common = (
-            np.int32(seqlen_q), np.int32(seqlen_k), np.int32(lse_log2.shape[-1]), np.int32(heads // kv_heads),
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *d_o.stride()[:3],
-        )
-        inputs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), d_o.data_ptr(), lse_log2.data_ptr(), delta.data_ptr())
-        grads = self.spec.grads
         if self.spec.kind == "bwd_q":
             outputs, out_strides = (dq.data_ptr(),), dq.stride()[:3]
             grid = (math.ceil(seqlen_q / self.spec.block_m), heads, batch)
         else:
+            grads = self.spec.grads
             outputs = tuple(t.data_ptr() for g, t in (("k", dk), ("v", dv), ("q", dq)) if g in grads)
             out_strides = dk.stride()[:3]  # dk and dv share one layout
             grid = (math.ceil(seqlen_k / self.spec.block_n), kv_heads, batch)
-        args = (*inputs, *outputs, *common, *out_strides, np.float32(scale), np.float32(scale * LOG2E))
-        self._launch(q.device.index, grid, args)
+        layout = struct.Struct(f"@{6 + len(outputs)}P4i15q2f")
+        params = layout.pack(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), d_o.data_ptr(), lse_log2.data_ptr(), delta.data_ptr(),
+            *outputs, seqlen_q, seqlen_k, lse_log2.shape[-1], heads // kv_heads,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *d_o.stride()[:3], *out_strides,
+            scale, scale * LOG2E,
+        )
+        self._launch(q.device.index, grid, params)
 
-    def _launch(self, device: int, grid, args, entry: str = "", block=None, smem=None) -> None:
-        import cupy
-
-        block = block or (self.spec.num_threads, 1, 1)
-        smem = self.spec.smem_bytes if smem is None else smem
-        stream = _Stream(torch.cuda.current_stream(device).cuda_stream)
+    def _launch(self, device: int, grid, params: bytes, entry: str = "", block=None, smem=None) -> None:
+        lib = _driver()
         function = self.function(device, entry)
-        if cupy.cuda.runtime.getDevice() == device:
-            function(grid, block, args, shared_mem=smem, stream=stream)
-        else:  # the function belongs to that device's context
-            with cupy.cuda.Device(device):
-                function(grid, block, args, shared_mem=smem, stream=stream)
+        _make_current(device)
+        buffer = ctypes.create_string_buffer(params, len(params))
+        size = ctypes.c_size_t(len(params))
+        extra = (ctypes.c_void_p * 5)(
+            _PARAM_BUFFER_POINTER, ctypes.addressof(buffer), _PARAM_BUFFER_SIZE, ctypes.addressof(size), _PARAM_END
+        )
+        result = lib.cuLaunchKernel(
+            function, grid[0], grid[1], grid[2], block or self.spec.num_threads, 1, 1,
+            self.spec.smem_bytes if smem is None else smem,
+            torch.cuda.current_stream(device).cuda_stream, None, extra,
+        )
+        _check(lib, result, f"launching {self.spec.name}{entry}")

@@ -38,7 +38,7 @@ def run(*args):
 @pytest.fixture(scope="module")
 def gen(tmp_path_factory):
     out = tmp_path_factory.mktemp("cli") / "gen"
-    result = run("build", "--d", 64, "--block", 128, "--out", out)
+    result = run("build", "--d", 64, "--block", 128, "--no-backward", "--out", out)
     assert result.exit_code == 0, result.output
     return out
 
@@ -62,7 +62,8 @@ def test_list_of_an_empty_folder(tmp_path):
 
 def test_build_every_combination_in_parallel(tmp_path):
     out = tmp_path / "gen"
-    result = run("build", "--d", "64,128", "--causal", "both", "--dtype", "both", "--jobs", 2, "--out", out)
+    result = run("build", "--d", "64,128", "--causal", "both", "--dtype", "both", "--jobs", 2,
+                 "--no-backward", "--out", out)
     assert result.exit_code == 0, result.output
     metas = aot.built(out)
     assert len(list(out.glob("*.json"))) == len(metas) == 8
@@ -70,6 +71,20 @@ def test_build_every_combination_in_parallel(tmp_path):
     assert {(s.head_dim, s.dtype, s.causal) for s in specs} == {
         (d, t, c) for d in (64, 128) for t in ("fp16", "bf16") for c in (False, True)
     }
+    assert all(m["backward"] == [] for m in metas)
+
+
+def test_build_includes_the_backward_kernels_by_default(tmp_path):
+    out = tmp_path / "gen"
+    result = run("build", "--d", "64", "--causal", "--out", out)
+    assert result.exit_code == 0, result.output
+    metas = {m["name"]: m for m in aot.built(out)}
+    (forward,) = [m for m in metas.values() if m["spec"]["kind"] == "fwd"]
+    backward = forward["backward"]
+    assert {KernelSpec.from_name(name).kind for name in backward} == {"bwd_kvq", "bwd_kv", "bwd_q"}
+    assert set(backward) | {forward["name"]} == set(metas)
+    assert all(KernelSpec.from_name(name).causal for name in backward)
+    assert not (out / f"{backward[0]}.py").exists()  # only forward kernels get an importable module
 
 
 @pytest.mark.parametrize(
@@ -78,7 +93,7 @@ def test_build_every_combination_in_parallel(tmp_path):
 )
 def test_causal_flags(tmp_path, flags, mask):
     out = tmp_path / "gen"
-    result = run("build", "--d", 64, *flags, "--out", out)  # bare --causal before another option
+    result = run("build", "--d", 64, *flags, "--no-backward", "--out", out)  # bare --causal before another option
     assert result.exit_code == 0, result.output
     (meta,) = aot.built(out)
     assert mask in meta["name"]
@@ -119,7 +134,7 @@ def test_show_resources_compiles():
 
 def test_cache_info_and_clear(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path / "cache"))
-    assert run("build", "--d", 32, "--out", tmp_path / "gen").exit_code == 0
+    assert run("build", "--d", 32, "--no-backward", "--out", tmp_path / "gen").exit_code == 0
     info = run("cache", "info")
     assert info.exit_code == 0 and "1 kernel(s)" in info.output and str(tmp_path / "cache") in info.output
     cleared = run("cache", "clear")
