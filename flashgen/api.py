@@ -81,8 +81,11 @@ def _backward_kernels(q: torch.Tensor, causal: bool, deterministic: bool) -> lis
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """cp.async moves 16 bytes: the base and every stride that is used must be multiples of 8 (and
     the last dimension contiguous: a gradient can arrive expanded, with stride 0)."""
-    if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s, n in zip(t.stride()[:3], t.shape) if n > 1):
+    s0, s1, s2, s3 = t.stride()
+    if s3 == 1 and not t.data_ptr() % 16 and not (s0 % 8 or s1 % 8 or s2 % 8):
         return t
+    if s3 == 1 and not t.data_ptr() % 16 and all(s % 8 == 0 for s, n in zip((s0, s1, s2), t.shape) if n > 1):
+        return t  # strides of dimensions of size 1 are never used
     return t.clone(memory_format=torch.contiguous_format)
 
 
@@ -193,8 +196,26 @@ def run_attention(q, k, v, causal: bool, scale: float, kernel: str, deterministi
     return forward_impl(q, k, v, causal, scale, kernel)
 
 
+def _well_formed(q, k, v) -> bool:
+    """The per-call fast path of check_inputs: True when nothing is wrong."""
+    if not (type(q) is type(k) is type(v) is torch.Tensor and q.dim() == k.dim() == v.dim() == 4):
+        return False
+    batch, heads, _, head_dim = q.shape
+    kv_batch, kv_heads, seqlen_k, kv_dim = k.shape
+    device = q.device
+    return (
+        q.dtype in DTYPES and q.dtype == k.dtype == v.dtype and v.shape == k.shape
+        and kv_batch == batch and kv_dim == head_dim and kv_heads and not heads % kv_heads
+        and not head_dim % 8 and 8 <= head_dim <= 256
+        and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+        and device.type == "cuda" and k.device == device and v.device == device
+    )
+
+
 def check_inputs(q, k, v) -> None:
     """Raise a clear error for anything the kernels cannot take."""
+    if _well_formed(q, k, v):
+        return
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

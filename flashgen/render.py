@@ -8,7 +8,6 @@ empty string in the generated code.
 from __future__ import annotations
 
 import functools
-from importlib import resources
 from pathlib import Path
 
 import jinja2
@@ -24,11 +23,10 @@ TEMPLATES = {
 
 
 def templates_dir() -> Path:
-    """The in-tree templates/ of a checkout, else the copy the wheel ships as flashgen.templates."""
-    in_tree = Path(__file__).resolve().parent.parent / "templates"
-    if (in_tree / TEMPLATES["fwd"]).is_file():
-        return in_tree
-    return Path(str(resources.files("flashgen.templates")))
+    """The in-tree templates/ of a checkout, else the copy the wheel ships in flashgen/templates/."""
+    package = Path(__file__).resolve().parent
+    in_tree = package.parent / "templates"
+    return in_tree if (in_tree / TEMPLATES["fwd"]).is_file() else package / "templates"
 
 
 @functools.cache

@@ -56,6 +56,25 @@ def _check(lib, result: int, what: str) -> None:
 
 _contexts: dict[int, int] = {}
 _lock = threading.Lock()
+_local = threading.local()
+
+
+def _launch_buffer():
+    """This thread's parameter buffer and the `extra` array that points cuLaunchKernel at it."""
+    slot = getattr(_local, "slot", None)
+    if slot is None:
+        buffer, size = ctypes.create_string_buffer(512), ctypes.c_size_t(0)
+        extra = (ctypes.c_void_p * 5)(
+            _PARAM_BUFFER_POINTER, ctypes.addressof(buffer), _PARAM_BUFFER_SIZE, ctypes.addressof(size), _PARAM_END
+        )
+        slot = _local.slot = (buffer, size, extra)
+    return slot
+
+
+def _current_stream(device: int) -> int:
+    # The private accessor skips building a torch.cuda.Stream object: a few microseconds a call.
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device) if raw else torch.cuda.current_stream(device).cuda_stream
 
 
 def _make_current(device: int) -> None:
@@ -159,14 +178,11 @@ class Kernel:
         lib = _driver()
         function = self.function(device, entry)
         _make_current(device)
-        buffer = ctypes.create_string_buffer(params, len(params))
-        size = ctypes.c_size_t(len(params))
-        extra = (ctypes.c_void_p * 5)(
-            _PARAM_BUFFER_POINTER, ctypes.addressof(buffer), _PARAM_BUFFER_SIZE, ctypes.addressof(size), _PARAM_END
-        )
+        buffer, size, extra = _launch_buffer()
+        ctypes.memmove(buffer, params, len(params))
+        size.value = len(params)
         result = lib.cuLaunchKernel(
             function, grid[0], grid[1], grid[2], block or self.spec.num_threads, 1, 1,
-            self.spec.smem_bytes if smem is None else smem,
-            torch.cuda.current_stream(device).cuda_stream, None, extra,
+            self.spec.smem_bytes if smem is None else smem, _current_stream(device), None, extra,
         )
         _check(lib, result, f"launching {self.spec.name}{entry}")
