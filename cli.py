@@ -79,6 +79,8 @@ def specs_from_options(head_dims, blocks_m, blocks_n, warps, stages, dtypes, cau
     from flashgen import tuning
     from flashgen.spec import KernelSpec
 
+    if no_causal and causal != ["no"]:
+        raise click.UsageError("--no-causal contradicts --causal " + ",".join(causal))
     causals = [False] if no_causal else [c == "yes" for c in causal]
     specs = []
     for head_dim, dtype, is_causal, arch in product(head_dims, dtypes, causals, archs):

@@ -180,3 +180,8 @@ def test_load_rejects_altered_cubin(gen, tmp_path):
     cubin.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="checksum"):
         flashgen.load(tmp_path / f"{D64.name}.json")
+
+
+def test_contradicting_mask_options_are_refused(tmp_path):
+    result = run("build", "--d", 64, "--causal", "--no-causal", "--out", tmp_path / "gen")
+    assert result.exit_code != 0 and "contradicts" in result.output
