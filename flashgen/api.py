@@ -283,6 +283,7 @@ def attention(
     bfloat16 on one CUDA device; any strides with the last dimension contiguous. d is a multiple
     of 8 up to 256. causal=True masks bottom-right aligned: query i sees key j iff
     j <= i + Tk - Tq (SDPA's is_causal when Tq == Tk); a query that sees no key gets 0.
+    Under torch.autocast, float32 inputs are cast to the autocast dtype first, as SDPA does.
     scale defaults to 1/sqrt(d). With return_lse=True also returns the (B, H, Tq) fp32
     log-sum-exp of the scaled scores (natural log; -inf for a row with no visible key).
 
@@ -290,6 +291,9 @@ def attention(
     differ in its last bits from run to run (dk and dv never do); deterministic=True computes dq in
     a separate pass instead, which costs some speed and gives bitwise-identical gradients.
     """
+    if isinstance(q, torch.Tensor) and q.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
+        dtype = torch.get_autocast_dtype("cuda")  # under autocast, like SDPA: fp32 in, autocast dtype
+        q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
     check_inputs(q, k, v)
     o, lse = run_attention(q, k, v, bool(causal), softmax_scale(scale, q.shape[-1]), "", bool(deterministic))
     return (o, lse) if return_lse else o

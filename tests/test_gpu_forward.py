@@ -217,3 +217,13 @@ def test_sdpa_agreement_for_equal_lengths():
     theirs = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert (ours.float() - theirs.float()).abs().max().item() < 1e-2
     assert math.isfinite(ours.float().sum().item())
+
+
+def test_autocast_casts_fp32_inputs_like_sdpa():
+    q, k, v = make_qkv(1, 2, 2, 100, 100, 64, torch.float32)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = flashgen.attention(q, k, v, causal=True)
+        theirs = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.dtype == theirs.dtype == torch.bfloat16
+    check_against_reference(*(t.to(torch.bfloat16) for t in (q, k, v)), True, out,
+                            flashgen.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True, return_lse=True)[1])
