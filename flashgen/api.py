@@ -21,7 +21,7 @@ DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 # Loaded kernels: by name (prebuilt or JIT) and by the heuristic's inputs (the per-call fast path).
 _by_name: dict[str, Kernel] = {}
-_by_problem: dict[tuple, Kernel] = {}
+_by_problem: dict[tuple, Kernel | list[Kernel]] = {}
 _arch: dict[int, str] = {}
 
 
