@@ -82,10 +82,9 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     """cp.async moves 16 bytes: the base and every stride that is used must be multiples of 8 (and
     the last dimension contiguous: a gradient can arrive expanded, with stride 0)."""
     s0, s1, s2, s3 = t.stride()
-    if s3 == 1 and not t.data_ptr() % 16 and not (s0 % 8 or s1 % 8 or s2 % 8):
+    n0, n1, n2, _ = t.shape  # the stride of a dimension of size 1 is never used
+    if s3 == 1 and not t.data_ptr() % 16 and (n0 == 1 or not s0 % 8) and (n1 == 1 or not s1 % 8) and (n2 == 1 or not s2 % 8):
         return t
-    if s3 == 1 and not t.data_ptr() % 16 and all(s % 8 == 0 for s, n in zip((s0, s1, s2), t.shape) if n > 1):
-        return t  # strides of dimensions of size 1 are never used
     return t.clone(memory_format=torch.contiguous_format)
 
 
