@@ -17,7 +17,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from . import __version__
-from .cache import default_cache, sha256, write_atomic
+from .cache import cubin_matches, default_cache, write_atomic
 from .compile import Resources
 from .runtime import Kernel
 from .spec import KernelSpec
@@ -148,7 +148,7 @@ class PrebuiltKernel:
 def _read(meta_path: Path) -> tuple[Kernel, dict]:
     meta = json.loads(meta_path.read_text())
     cubin = meta_path.with_suffix(".cubin").read_bytes()
-    if len(cubin) != meta["cubin_bytes"] or sha256(cubin) != meta["cubin_sha256"]:
+    if not cubin_matches(cubin, meta):
         raise ValueError(f"{meta_path.with_suffix('.cubin')} does not match its checksum: rebuild it")
     return Kernel(KernelSpec(**meta["spec"]), cubin), meta
 

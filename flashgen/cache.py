@@ -71,6 +71,11 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def cubin_matches(cubin: bytes, meta: dict) -> bool:
+    """Is this the cubin the metadata describes (not truncated, not altered)?"""
+    return len(cubin) == meta["cubin_bytes"] and sha256(cubin) == meta["cubin_sha256"]
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     """Write to a temporary file in the same directory, flush it to disk, rename it into place."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -119,9 +124,6 @@ class KernelCache:
         self.root = Path(root) if root else cache_root()
         self._memory: dict[KernelSpec, Artifact] = {}
 
-    def arch_dir(self, arch: str) -> Path:
-        return self.root / __version__ / arch
-
     def get(self, spec: KernelSpec) -> Artifact:
         """The compiled kernel for `spec`: from memory, from disk, or built now (once, under a lock)."""
         artifact = self._memory.get(spec)
@@ -154,7 +156,7 @@ class KernelCache:
             problem = None
             if meta.get("key") != key:
                 problem = "key mismatch"
-            elif len(cubin) != meta["cubin_bytes"] or sha256(cubin) != meta["cubin_sha256"]:
+            elif not cubin_matches(cubin, meta):
                 problem = f"cubin checksum mismatch ({len(cubin)} bytes, expected {meta['cubin_bytes']})"
             if problem is None:
                 return Artifact(spec, key, cubin, Resources(**meta["resources"]), meta, entry)
