@@ -139,33 +139,6 @@ def backward_memory_mib(seqlen=4096, head_dims=HEAD_DIMS, causals=(False, True))
     return rows
 
 
-def tune_forward(head_dim, causal, seqlen=4096, dtype="bf16", arch=None, candidates=None) -> list[dict]:
-    """TFLOPS of each candidate tile shape for one problem, best first, with flash for scale."""
-    from .api import attention_fwd, device_arch, kernel_for_spec
-    from .spec import KernelSpec, SpecError
-
-    arch = arch or device_arch(torch.cuda.current_device())
-    candidates = candidates or [
-        (bm, bn, w, s) for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)
-    ]
-    q, k, v = _inputs(seqlen, head_dim, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
-    flops = forward_flops(q.shape[0], q.shape[1], seqlen, seqlen, head_dim, causal)
-    rows = []
-    for block_m, block_n, num_warps, num_stages in candidates:
-        try:
-            spec = KernelSpec(head_dim, block_m, block_n, dtype, causal, num_warps, num_stages, arch)
-        except SpecError:
-            continue
-        kernel_for_spec(spec)
-        scale = head_dim**-0.5
-        ms = time_ms(lambda: attention_fwd(q, k, v, causal, scale, spec.name, False))
-        rows.append({"spec": spec.name, "tflops": flops / ms / 1e9})
-    with sdpa_backends()["flash"]():
-        ms = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
-    rows.append({"spec": "sdpa-flash", "tflops": flops / ms / 1e9})
-    return sorted(rows, key=lambda row: -row["tflops"])
-
-
 def host_overhead_us(calls: int = 500) -> dict:
     """Wall time per call on a tiny causal input (1x1x128x64), where launch cost dominates."""
     from .api import attention
@@ -215,32 +188,6 @@ def compile_and_load_times(spec=None) -> dict:
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         warm_ms = float(out.stdout.strip().splitlines()[-1])
     return {"spec": spec.name, "cold_compile_s": cold, "warm_load_ms": warm_ms}
-
-
-def tune_backward(head_dim, causal, seqlen=4096, candidates=None, deterministic=False) -> list[dict]:
-    """Backward TFLOPS of each key-major tile shape for one problem, best first, flash for scale."""
-    from . import api
-    from .spec import KernelSpec, SpecError
-    from .tuning import backward_specs
-
-    arch = api.device_arch(torch.cuda.current_device())
-    base = backward_specs(head_dim, "bf16", causal, arch, deterministic)
-    q, k, v = _inputs(seqlen, head_dim)
-    flops = MODES["bwd"] * forward_flops(q.shape[0], q.shape[1], seqlen, seqlen, head_dim, causal)
-    problem = ("bwd", q.device.index, head_dim, q.dtype, causal, deterministic)
-    rows = []
-    for block_m, block_n, num_warps, num_stages in candidates or [(64, 128, 8, 2), (64, 64, 4, 2)]:
-        try:
-            first = base[0].replace(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
-        except SpecError:
-            continue
-        api._by_problem[problem] = [api.kernel_for_spec(first), *map(api.kernel_for_spec, base[1:])]
-        ms = time_ms(_timer(lambda q, k, v, causal: api.attention(q, k, v, causal=causal, deterministic=deterministic), q, k, v, causal, "bwd"))
-        rows.append({"spec": first.name, "tflops": flops / ms / 1e9})
-    api._by_problem.pop(problem, None)
-    ms = time_ms(_timer(_pinned(sdpa_backends()["flash"]), q, k, v, causal, "bwd"))
-    rows.append({"spec": "sdpa-flash", "tflops": flops / ms / 1e9})
-    return sorted(rows, key=lambda row: -row["tflops"])
 
 
 def run(head_dims=HEAD_DIMS, seqlens=SEQLENS, modes=tuple(MODES), json_path=None, console=None) -> dict:
