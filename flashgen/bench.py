@@ -124,19 +124,25 @@ def backward_memory_mib(seqlen=4096, head_dims=HEAD_DIMS, causals=(False, True))
             row = {"d": head_dim, "causal": causal, "T": seqlen}
             for name, attention in peers.items():
                 q, k, v = (t.requires_grad_() for t in _inputs(seqlen, head_dim))
-                out = attention(q, k, v, causal)
-                d_o = torch.randn_like(out)
-                out.backward(d_o, retain_graph=True)  # warm
-                q.grad = k.grad = v.grad = None
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                before = torch.cuda.memory_allocated()
-                out.backward(d_o)
-                torch.cuda.synchronize()
-                row[name] = (torch.cuda.max_memory_allocated() - before) / 2**20
-                del q, k, v, out, d_o
+                row[name] = backward_peak_bytes(attention(q, k, v, causal), (q, k, v)) / 2**20
+                del q, k, v
             rows.append(row)
     return rows
+
+
+def backward_peak_bytes(out, leaves) -> int:
+    """Peak memory one backward of `out` allocates beyond what is held before it (gradients
+    included), after a warm-up backward that leaves nothing behind."""
+    d_o = torch.randn_like(out)
+    out.backward(d_o, retain_graph=True)
+    for leaf in leaves:
+        leaf.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out.backward(d_o)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
 
 
 def host_overhead_us(calls: int = 500) -> dict:

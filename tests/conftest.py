@@ -1,4 +1,7 @@
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -25,3 +28,26 @@ def private_cache(tmp_path_factory):
         os.environ.pop("FLASHGEN_CACHE_DIR", None)
     else:
         os.environ["FLASHGEN_CACHE_DIR"] = previous
+
+
+def run_prebuilt(tmp_path, spec, body: str) -> str:
+    """Build `spec` (with its backward kernels) into the package tmp_path/aot_kernels, then run
+    `body` in a fresh process that has imported it as `module`, with FLASHGEN_NO_JIT set, an
+    empty cache and the compiler patched to fail: the prebuilt files alone must do. Returns stdout."""
+    import flashgen
+
+    flashgen.build([spec], tmp_path / "aot_kernels")
+    script = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(tmp_path)!r})
+        import flashgen.cache, flashgen.compile
+        def refuse(*a, **k):
+            raise AssertionError("NVRTC was called")
+        flashgen.compile.compile_source = flashgen.cache.compile_source = refuse
+        from aot_kernels import {spec.name} as module
+        from flashgen.reference import naive_attention
+    """) + textwrap.dedent(body)
+    env = {**os.environ, "FLASHGEN_NO_JIT": "1", "FLASHGEN_CACHE_DIR": str(tmp_path / "empty-cache")}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout

@@ -2,13 +2,9 @@
 max|grad - ref| <= 3 * max|grad_lp - ref| + 1e-5, where ref comes from naive attention in fp32 and
 grad_lp from the same computation in the kernel's dtype."""
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
+from conftest import run_prebuilt
 
 import flashgen
 from flashgen import tuning
@@ -190,36 +186,19 @@ def test_cuda_graph_of_a_training_step():
 
 
 def test_backward_memory_is_linear_at_32k():
+    from flashgen.bench import backward_peak_bytes
+
     batch, heads, seqlen, head_dim = 1, 4, 32768, 64
     q, k, v = (t.requires_grad_() for t in make_qkv(batch, heads, heads, seqlen, seqlen, head_dim, torch.bfloat16))
-    out = flashgen.attention(q, k, v, causal=True)
-    d_o = torch.randn_like(out)
-    out.backward(d_o, retain_graph=True)  # warm
-    q.grad = k.grad = v.grad = None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    out.backward(d_o)
-    torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - before
+    extra = backward_peak_bytes(flashgen.attention(q, k, v, causal=True), (q, k, v))
     tensor = batch * heads * seqlen * head_dim * 2
     # dq, dk, dv (3 tensors), the fp32 dq accumulator (2 tensors' worth) and O(T) statistics.
     assert extra <= 5 * tensor + (8 << 20), f"backward allocated {extra / 2**20:.0f} MiB"
 
 
 def test_prebuilt_module_is_differentiable_without_a_compiler(tmp_path):
-    out_dir = tmp_path / "aot_grad"
     spec = flashgen.KernelSpec(head_dim=64, block_m=128, block_n=64, causal=True)
-    flashgen.build([spec], out_dir)
-    script = textwrap.dedent(f"""
-        import sys, torch
-        sys.path.insert(0, {str(tmp_path)!r})
-        import flashgen.cache, flashgen.compile
-        def refuse(*a, **k):
-            raise AssertionError("NVRTC was called")
-        flashgen.compile.compile_source = flashgen.cache.compile_source = refuse
-        from aot_grad import {spec.name} as module
-        from flashgen.reference import naive_attention
+    out = run_prebuilt(tmp_path, spec, """
         q, k, v = (torch.randn(2, 4, 500, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         for deterministic in (False, True):
             module.attention(q, k, v, deterministic=deterministic).float().sum().backward()
@@ -232,7 +211,4 @@ def test_prebuilt_module_is_differentiable_without_a_compiler(tmp_path):
                 t.grad = None
         print("ok")
     """)
-    env = {**os.environ, "FLASHGEN_NO_JIT": "1", "FLASHGEN_CACHE_DIR": str(tmp_path / "empty-cache")}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().endswith("ok")
+    assert out.strip().endswith("ok")

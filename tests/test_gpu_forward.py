@@ -5,13 +5,10 @@ same computation in the kernel's dtype.
 """
 
 import math
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
+from conftest import run_prebuilt
 
 import flashgen
 from flashgen import tuning
@@ -185,18 +182,8 @@ def test_no_score_matrix_at_32k():
 
 
 def test_prebuilt_module_runs_without_a_compiler(tmp_path):
-    out_dir = tmp_path / "aot_kernels"
     spec = flashgen.KernelSpec(head_dim=64, block_m=128, block_n=64, causal=True)
-    flashgen.build([spec], out_dir)
-    script = textwrap.dedent(f"""
-        import sys, torch
-        sys.path.insert(0, {str(tmp_path)!r})
-        import flashgen.cache, flashgen.compile
-        def refuse(*a, **k):
-            raise AssertionError("NVRTC was called")
-        flashgen.compile.compile_source = flashgen.cache.compile_source = refuse
-        from aot_kernels import {spec.name} as module
-        from flashgen.reference import naive_attention
+    out = run_prebuilt(tmp_path, spec, """
         q, k, v = (torch.randn(2, 4, 999, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         out = module.attention(q, k, v)
         ref = naive_attention(q, k, v, causal=True)[0]
@@ -204,10 +191,7 @@ def test_prebuilt_module_runs_without_a_compiler(tmp_path):
         assert err < 2e-2, err
         print("ok", module.spec.name, err)
     """)
-    env = {**os.environ, "FLASHGEN_NO_JIT": "1", "FLASHGEN_CACHE_DIR": str(tmp_path / "empty-cache")}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("ok")
+    assert out.startswith("ok")
 
 
 def test_sdpa_agreement_for_equal_lengths():
