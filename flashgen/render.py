@@ -41,6 +41,21 @@ def _environment() -> jinja2.Environment:
     )
 
 
+def dq_item(spec: KernelSpec) -> tuple[int, int]:
+    """The key-major dQ product's work item, (m16 query tiles, n16 head-dim pairs): the shape that
+    keeps the busiest warp's mma count lowest, then its operand loads, within 32 fp32
+    accumulators per thread."""
+    row_tiles, pairs = spec.block_m // 16, spec.head_dim_pad // 16
+
+    def cost(item):
+        rows, cols = item
+        per_warp = -(-(row_tiles // rows) * (pairs // cols) // spec.num_warps)
+        return per_warp * rows * cols, per_warp * (rows + cols)
+
+    shapes = [(r, c) for r in (1, 2, 4) for c in (1, 2, 3, 4) if not row_tiles % r and not pairs % c and r * c <= 4]
+    return min(shapes, key=cost)
+
+
 def template_context(spec: KernelSpec) -> dict:
     """Everything a template may use: the spec's fields and the layout derived from them."""
     grads = spec.grads
@@ -61,6 +76,10 @@ def template_context(spec: KernelSpec) -> dict:
         "gemms": gemms,
         "grads_text": " and ".join({"k": "dK", "v": "dV"}[g] for g in grads if g != "q"),
         "prep_lanes": 1 << (spec.head_dim // 8 - 1).bit_length(),
+        "wgmma": spec.wgmma,
+        "tiled": spec.wgmma,  # shared-memory tiles as wgmma's core matrices
+        "dq_rows": dq_item(spec)[0],
+        "dq_pairs": dq_item(spec)[1],
     }
 
 

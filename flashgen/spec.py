@@ -157,6 +157,13 @@ class KernelSpec:
         return (self.block_n if self.key_major else self.block_m) // self.num_warps
 
     @property
+    def wgmma(self) -> bool:
+        """Whether the kernel uses Hopper's warpgroup MMA: key-major backward kernels on sm_90a
+        whose warps own 16 keys each, so that 4 warps form a warpgroup over 64 keys. Their
+        shared-memory tiles are stored as 8 x 8 core matrices instead of padded rows."""
+        return self.arch == "sm_90a" and self.key_major and self.num_warps % 4 == 0 and self.rows_per_warp == 16
+
+    @property
     def accumulators(self) -> int:
         """fp32 registers per thread held across the inner loop (see the templates)."""
         tiles = self.rows_per_warp // 16
@@ -176,12 +183,14 @@ class KernelSpec:
             return (self.block_m + 2 * self.num_stages * self.block_n) * row
         if self.kind == "bwd_q":  # Q, dO, then num_stages (K, V) tile pairs
             return (2 * self.block_m + 2 * self.num_stages * self.block_n) * row
-        # K, V, num_stages (Q, dO, lse, delta) tiles, and dS^T for the dQ product
-        size = (2 * self.block_n + 2 * self.num_stages * self.block_m) * row
+        # K, V, num_stages (Q, dO, lse, delta) tiles, and dS^T for the dQ product; at the end dK
+        # and dV are staged in padded rows over the K and V tiles (and beyond, for core-matrix tiles)
+        tile_row = self.head_dim_pad * 2 if self.wgmma else row
+        size = (2 * self.block_n + 2 * self.num_stages * self.block_m) * tile_row
         size += self.num_stages * 2 * self.block_m * 4
         if "q" in self.grads:
             size += self.block_n * (self.block_m + 8) * 2
-        return size
+        return max(size, 2 * self.block_n * row)
 
     # ---- naming and serialization -----------------------------------------------------------
 

@@ -32,7 +32,7 @@ BACKWARD_KINDS = {
 # (key- or query-major, head-dim bound, causal) -> [(block_m, block_n, num_warps, num_stages), ...]
 BACKWARD_TABLE = {
     ("key", 64, False): [(128, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2)],
-    ("key", 64, True): [(64, 128, 8, 3), (32, 128, 8, 2), (64, 64, 4, 2)],
+    ("key", 64, True): [(128, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 2), (64, 64, 4, 2)],
     ("key", 128, False): [(64, 128, 8, 3), (32, 128, 8, 2), (64, 64, 4, 2)],
     ("key", 128, True): [(64, 128, 8, 3), (32, 128, 8, 2), (64, 64, 4, 2)],
     ("key", 256, False): [(32, 64, 4, 2), (16, 64, 4, 2)],
@@ -44,6 +44,9 @@ BACKWARD_TABLE = {
     ("query", 256, False): [(64, 32, 4, 2), (32, 32, 2, 2)],
     ("query", 256, True): [(64, 32, 4, 2), (32, 32, 2, 2)],
 }
+
+# Before sm_90 the key-major kernels run on mma.sync, whose 128 x 128 causal d = 64 tile spills.
+BACKWARD_TABLE_SM8X = {**BACKWARD_TABLE, ("key", 64, True): BACKWARD_TABLE[("key", 64, True)][1:]}
 
 
 def _bound(head_dim: int) -> int:
@@ -72,9 +75,10 @@ def forward_spec(head_dim: int, dtype: str, causal: bool, arch: str, seqlen_q: i
 def backward_specs(head_dim: int, dtype: str, causal: bool, arch: str, deterministic: bool) -> list[KernelSpec]:
     """The backward kernels to run, in order; the first one also runs the prep (delta) kernel."""
     kinds = BACKWARD_KINDS[(128 if head_dim <= 128 else 256, deterministic)]
+    table = BACKWARD_TABLE_SM8X if arch.startswith("sm_8") else BACKWARD_TABLE
     return [
         _first_valid(
-            BACKWARD_TABLE[("query" if kind == "bwd_q" else "key", _bound(head_dim), causal)],
+            table[("query" if kind == "bwd_q" else "key", _bound(head_dim), causal)],
             kind, head_dim, dtype, causal, arch,
         )
         for kind in kinds

@@ -4,6 +4,7 @@ same loss curve as with PyTorch's SDPA, from the same initial weights and the sa
 import importlib.util
 import math
 import pathlib
+import sys
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_gpt.
 def load_example():
     spec = importlib.util.spec_from_file_location("train_gpt_example", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
+    # dataclasses resolves string annotations through sys.modules (Python 3.12 fails without it)
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
