@@ -188,14 +188,17 @@ def show(resources, **options):
 @click.option("--seqlens", default="512,1024,2048,4096,8192,16384", show_default=True, callback=_ints)
 @click.option("--modes", default="fwd,bwd,fwd+bwd", show_default=True, callback=_words(("fwd", "bwd", "fwd+bwd")))
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="also write the numbers here")
-def bench(head_dims, seqlens, modes, json_path):
+@click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False), help="also write the tables here, as Markdown")
+def bench(head_dims, seqlens, modes, json_path, markdown_path):
     """flashgen next to SDPA's FLASH, CUDNN and EFFICIENT backends, in TFLOPS."""
     from flashgen import bench as benchmark
 
     try:
-        benchmark.run(head_dims=head_dims, seqlens=seqlens, modes=modes, json_path=json_path, console=console)
+        report = benchmark.run(head_dims=head_dims, seqlens=seqlens, modes=modes, json_path=json_path, console=console)
     except RuntimeError as error:
         _fail(error)
+    if markdown_path:
+        Path(markdown_path).write_text(benchmark.markdown(report))
 
 
 @main.group()

@@ -196,6 +196,29 @@ def compile_and_load_times(spec=None) -> dict:
     return {"spec": spec.name, "cold_compile_s": cold, "warm_load_ms": warm_ms}
 
 
+COLUMNS = ("d", "causal", "T", "flashgen", "flash", "cudnn", "efficient", "vs flash", "vs cudnn")
+
+
+def _cells(row) -> list[str]:
+    fmt = lambda x: "-" if x is None else f"{x:.0f}"  # noqa: E731
+    ratio = lambda a, b: "-" if not (a and b) else f"{a / b:.2f}"  # noqa: E731
+    return [
+        str(row["d"]), "yes" if row["causal"] else "no", str(row["T"]), fmt(row["flashgen"]),
+        fmt(row["flash"]), fmt(row["cudnn"]), fmt(row["efficient"]),
+        ratio(row["flashgen"], row["flash"]), ratio(row["flashgen"], row["cudnn"]),
+    ]
+
+
+def markdown(report: dict) -> str:
+    """The report's tables as Markdown, the form BENCHMARKS.md records them in."""
+    lines = []
+    for mode, rows in report["tables"].items():
+        lines += [f"{mode} (TFLOPS)", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+        lines += ["| " + " | ".join(_cells(row)) + " |" for row in rows]
+        lines.append("")
+    return "\n".join(lines)
+
+
 def run(head_dims=HEAD_DIMS, seqlens=SEQLENS, modes=tuple(MODES), json_path=None, console=None) -> dict:
     from rich.console import Console
     from rich.table import Table
@@ -212,18 +235,13 @@ def run(head_dims=HEAD_DIMS, seqlens=SEQLENS, modes=tuple(MODES), json_path=None
         "host_overhead_us": host_overhead_us(),
         "compile": compile_and_load_times(),
     }
-    fmt = lambda x: "-" if x is None else f"{x:.0f}"  # noqa: E731
     ratio = lambda a, b: "-" if not (a and b) else f"{a / b:.2f}"  # noqa: E731
     for mode, rows in report["tables"].items():
         out = Table(title=f"{mode} TFLOPS, bf16, {report['gpu']} (B*T=16k, model dim 2048)")
-        for column in ("d", "causal", "T", "flashgen", "flash", "cudnn", "efficient", "vs flash", "vs cudnn"):
+        for column in COLUMNS:
             out.add_column(column, justify="right")
         for row in rows:
-            out.add_row(
-                str(row["d"]), "yes" if row["causal"] else "no", str(row["T"]), fmt(row["flashgen"]),
-                fmt(row["flash"]), fmt(row["cudnn"]), fmt(row["efficient"]),
-                ratio(row["flashgen"], row["flash"]), ratio(row["flashgen"], row["cudnn"]),
-            )
+            out.add_row(*_cells(row))
         console.print(out)
     for row in report["backward_memory_mib"]:
         console.print(

@@ -149,6 +149,18 @@ def test_bench_without_gpu_fails_clearly():
     assert "needs an NVIDIA GPU" in result.output
 
 
+def test_bench_markdown_tables():
+    from flashgen.bench import markdown
+
+    row = {"mode": "bwd", "d": 64, "causal": True, "T": 4096, "flashgen": 250.4, "flash": 200.0, "cudnn": None, "efficient": 100.0}
+    text = markdown({"tables": {"bwd": [row]}})
+    assert text.splitlines()[:4] == [
+        "bwd (TFLOPS)", "", "| d | causal | T | flashgen | flash | cudnn | efficient | vs flash | vs cudnn |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    assert "| 64 | yes | 4096 | 250 | 200 | - | 100 | 1.25 | - |" in text
+
+
 def test_doctor():
     result = run("doctor")
     assert result.exit_code == 0 and "NVRTC" in result.output
