@@ -58,7 +58,7 @@ def device_arch(device: int) -> str:
 def _forward_kernel(q: torch.Tensor, causal: bool, name: str) -> Kernel:
     if name:
         return _by_name.get(name) or kernel_for_spec(KernelSpec.from_name(name))
-    device = q.device.index
+    device = q.get_device()
     short = q.shape[2] <= tuning.SHORT_QUERY
     problem = (device, q.shape[3], q.dtype, causal, short)
     kernel = _by_problem.get(problem)
@@ -69,7 +69,7 @@ def _forward_kernel(q: torch.Tensor, causal: bool, name: str) -> Kernel:
 
 
 def _backward_kernels(q: torch.Tensor, causal: bool, deterministic: bool) -> list[Kernel]:
-    device = q.device.index
+    device = q.get_device()
     problem = ("bwd", device, q.shape[3], q.dtype, causal, deterministic)
     kernels = _by_problem.get(problem)
     if kernels is None:
@@ -81,6 +81,8 @@ def _backward_kernels(q: torch.Tensor, causal: bool, deterministic: bool) -> lis
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """cp.async moves 16 bytes: the base and every stride that is used must be multiples of 8 (and
     the last dimension contiguous: a gradient can arrive expanded, with stride 0)."""
+    if t.is_contiguous() and not t.data_ptr() % 16:  # the common case, one cheap test (d % 8 == 0)
+        return t
     s0, s1, s2, s3 = t.stride()
     n0, n1, n2, _ = t.shape  # the stride of a dimension of size 1 is never used
     if s3 == 1 and not t.data_ptr() % 16 and (n0 == 1 or not s0 % 8) and (n1 == 1 or not s1 % 8) and (n2 == 1 or not s2 % 8):
@@ -92,7 +94,7 @@ def forward_impl(q, k, v, causal: bool, scale: float, kernel: str):
     """(o, lse) by the forward kernel."""
     batch, heads, seqlen_q, _ = q.shape
     o = torch.empty_like(q)
-    lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
+    lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
     if o.numel() == 0:
         return o, lse
     if k.shape[2] == 0:  # no keys: every row sees nothing
@@ -201,13 +203,12 @@ def _well_formed(q, k, v) -> bool:
         return False
     batch, heads, _, head_dim = q.shape
     kv_batch, kv_heads, seqlen_k, kv_dim = k.shape
-    device = q.device
     return (
         q.dtype in DTYPES and q.dtype == k.dtype == v.dtype and v.shape == k.shape
         and kv_batch == batch and kv_dim == head_dim and kv_heads and not heads % kv_heads
         and not head_dim % 8 and 8 <= head_dim <= 256
         and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
-        and device.type == "cuda" and k.device == device and v.device == device
+        and q.is_cuda and q.get_device() == k.get_device() == v.get_device()  # ints: no device objects
     )
 
 

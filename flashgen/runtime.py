@@ -59,15 +59,16 @@ _lock = threading.Lock()
 _local = threading.local()
 
 
-def _launch_buffer():
-    """This thread's parameter buffer and the `extra` array that points cuLaunchKernel at it."""
+def _launch_slot():
+    """This thread's parameter buffer, the `extra` array that points cuLaunchKernel at it, and an
+    out-parameter for cuCtxGetCurrent: made once per thread, not per call."""
     slot = getattr(_local, "slot", None)
     if slot is None:
-        buffer, size = ctypes.create_string_buffer(512), ctypes.c_size_t(0)
+        buffer, size, current = ctypes.create_string_buffer(512), ctypes.c_size_t(0), ctypes.c_void_p()
         extra = (ctypes.c_void_p * 5)(
             _PARAM_BUFFER_POINTER, ctypes.addressof(buffer), _PARAM_BUFFER_SIZE, ctypes.addressof(size), _PARAM_END
         )
-        slot = _local.slot = (buffer, size, extra)
+        slot = _local.slot = (buffer, size, extra, current, ctypes.byref(current))
     return slot
 
 
@@ -138,7 +139,7 @@ class Kernel:
             seqlen_q, k.shape[2], heads // k.shape[1],
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], scale * LOG2E,
         )
-        self._launch(q.device.index, (math.ceil(seqlen_q / self.spec.block_m), heads, batch), params)
+        self._launch(q.get_device(), (-(-seqlen_q // self.spec.block_m), heads, batch), params)
 
     def backward_prep(self, o, d_o, lse, delta, lse_log2) -> None:
         """delta = rowsum(dO * O) and lse_log2 = lse * log2(e), padded rows (see the template)."""
@@ -150,7 +151,7 @@ class Kernel:
             seqlen_q, padded_q, *o.stride()[:3], *d_o.stride()[:3],
         )
         grid = (padded_q // rows_per_block, heads, batch)
-        self._launch(o.device.index, grid, params, entry="_prep", block=128, smem=0)
+        self._launch(o.get_device(), grid, params, entry="_prep", block=128, smem=0)
 
     def backward(self, q, k, v, d_o, lse_log2, delta, dk, dv, dq, scale: float) -> None:
         """The gradients this kernel writes (spec.grads): key-major kernels write dk and/or dv and
@@ -172,13 +173,15 @@ class Kernel:
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *d_o.stride()[:3], *out_strides,
             scale, scale * LOG2E,
         )
-        self._launch(q.device.index, grid, params)
+        self._launch(q.get_device(), grid, params)
 
     def _launch(self, device: int, grid, params: bytes, entry: str = "", block=None, smem=None) -> None:
         lib = _driver()
-        function = self.function(device, entry)
-        _make_current(device)
-        buffer, size, extra = _launch_buffer()
+        function = self._functions.get((device, entry)) or self.function(device, entry)
+        buffer, size, extra, current, current_ref = _launch_slot()
+        lib.cuCtxGetCurrent(current_ref)
+        if current.value != _contexts[device]:  # PyTorch's context for this device is usually current
+            _make_current(device)
         ctypes.memmove(buffer, params, len(params))
         size.value = len(params)
         result = lib.cuLaunchKernel(
