@@ -103,6 +103,7 @@ class Kernel:
     def __init__(self, spec: KernelSpec, cubin: bytes):
         self.spec = spec
         self.cubin = cubin
+        self._threads, self._smem = spec.num_threads, spec.smem_bytes  # properties: computed once
         self._modules: dict[int, int] = {}
         self._functions: dict[tuple[int, str], int] = {}
 
@@ -185,7 +186,7 @@ class Kernel:
         ctypes.memmove(buffer, params, len(params))
         size.value = len(params)
         result = lib.cuLaunchKernel(
-            function, grid[0], grid[1], grid[2], block or self.spec.num_threads, 1, 1,
-            self.spec.smem_bytes if smem is None else smem, _current_stream(device), None, extra,
+            function, grid[0], grid[1], grid[2], block or self._threads, 1, 1,
+            self._smem if smem is None else smem, _current_stream(device), None, extra,
         )
         _check(lib, result, f"launching {self.spec.name}{entry}")
