@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from flashgen.spec import ARCHS
+from flashgen.spec import ARCHS, KINDS
 
 console = Console()
 
@@ -74,7 +74,7 @@ def spec_options(multiple: bool):
     return decorate
 
 
-def specs_from_options(head_dims, blocks_m, blocks_n, warps, stages, dtypes, causal, no_causal, archs):
+def specs_from_options(head_dims, blocks_m, blocks_n, warps, stages, dtypes, causal, no_causal, archs, kind="fwd"):
     """Every combination of the options, tile shapes defaulting to the tuning table's choice."""
     from flashgen import tuning
     from flashgen.spec import KernelSpec
@@ -84,14 +84,15 @@ def specs_from_options(head_dims, blocks_m, blocks_n, warps, stages, dtypes, cau
     causals = [False] if no_causal else [c == "yes" for c in causal]
     specs = []
     for head_dim, dtype, is_causal, arch in product(head_dims, dtypes, causals, archs):
-        tuned = tuning.forward_spec(head_dim, dtype, is_causal, arch, seqlen_q=4096)
+        tuned = tuning.tuned_spec(kind, head_dim, dtype, is_causal, arch)
         for block_m, block_n, num_warps, num_stages in product(
             blocks_m or [tuned.block_m], blocks_n or [tuned.block_n],
             warps or [None], stages or [tuned.num_stages],
         ):
             if num_warps is None:  # keep the tuned warp count when it fits the block
-                num_warps = tuned.num_warps if block_m // tuned.num_warps in (16, 32) else max(1, min(8, block_m // 32))
-            spec = KernelSpec(head_dim, block_m, block_n, dtype, is_causal, num_warps, num_stages, arch)
+                owned = block_n if tuned.key_major else block_m
+                num_warps = tuned.num_warps if owned // tuned.num_warps in (16, 32) else max(1, min(8, owned // 32))
+            spec = KernelSpec(head_dim, block_m, block_n, dtype, is_causal, num_warps, num_stages, arch, kind)
             if spec not in specs:
                 specs.append(spec)
     return specs
@@ -162,6 +163,8 @@ def _print_kernels(metas, title):
 
 @main.command()
 @spec_options(multiple=False)
+@click.option("--kind", default="fwd", show_default=True, type=click.Choice(KINDS),
+              help="the forward, or one backward piece (see KernelSpec.kind)")
 @click.option("--resources", is_flag=True, help="also compile it and print ptxas' report")
 def show(resources, **options):
     """Print the CUDA source flashgen renders for one spec."""

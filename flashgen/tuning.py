@@ -72,17 +72,19 @@ def forward_spec(head_dim: int, dtype: str, causal: bool, arch: str, seqlen_q: i
     return _first_valid(candidates, "fwd", head_dim, dtype, causal, arch)
 
 
+def tuned_spec(kind: str, head_dim: int, dtype: str, causal: bool, arch: str) -> KernelSpec:
+    """The table's spec of any kind (the forward's for long sequences)."""
+    if kind == "fwd":
+        return forward_spec(head_dim, dtype, causal, arch, seqlen_q=4096)
+    table = BACKWARD_TABLE_SM8X if arch.startswith("sm_8") else BACKWARD_TABLE
+    major = "query" if kind == "bwd_q" else "key"
+    return _first_valid(table[(major, _bound(head_dim), causal)], kind, head_dim, dtype, causal, arch)
+
+
 def backward_specs(head_dim: int, dtype: str, causal: bool, arch: str, deterministic: bool) -> list[KernelSpec]:
     """The backward kernels to run, in order; the first one also runs the prep (delta) kernel."""
     kinds = BACKWARD_KINDS[(128 if head_dim <= 128 else 256, deterministic)]
-    table = BACKWARD_TABLE_SM8X if arch.startswith("sm_8") else BACKWARD_TABLE
-    return [
-        _first_valid(
-            table[("query" if kind == "bwd_q" else "key", _bound(head_dim), causal)],
-            kind, head_dim, dtype, causal, arch,
-        )
-        for kind in kinds
-    ]
+    return [tuned_spec(kind, head_dim, dtype, causal, arch) for kind in kinds]
 
 
 TEST_HEAD_DIMS = (32, 40, 64, 80, 96, 128, 192, 256)

@@ -126,6 +126,20 @@ def test_show_prints_the_source():
     assert "diag" in result.output
 
 
+def test_show_a_backward_kernel():
+    from flashgen import tuning
+
+    spec = tuning.tuned_spec("bwd_kvq", 64, "bf16", True, "sm_90a")
+    result = run("show", "--d", 64, "--causal", "--kind", "bwd_kvq")
+    assert result.exit_code == 0, result.output
+    assert f"{spec.name}_prep(" in result.output and "wgmma.mma_async" in result.output
+    on_ampere = run("show", "--d", 64, "--kind", "bwd_kvq", "--arch", "sm_80")
+    assert on_ampere.exit_code == 0 and "wgmma" not in on_ampere.output and "mma.sync" in on_ampere.output
+    explicit = run("show", "--d", 128, "--kind", "bwd_q", "--block", 64, "--block-n", 32)
+    assert explicit.exit_code == 0 and "bwd_q_d128_m64_n32_bf16_full_w4_s2_sm90a" in explicit.output
+    assert run("show", "--d", 64, "--kind", "bwd").exit_code != 0  # not a kind
+
+
 def test_show_resources_compiles():
     result = run("show", "--d", 64, "--resources")
     assert result.exit_code == 0, result.output
