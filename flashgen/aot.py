@@ -137,7 +137,8 @@ class PrebuiltKernel:
                 f"{q.shape[-1]} {DTYPES[q.dtype]}"
             )
         o, lse = run_attention(
-            q, k, v, spec.causal, softmax_scale(scale, spec.head_dim), spec.name, bool(deterministic)
+            q, k, v, spec.causal, softmax_scale(scale, spec.head_dim), spec.name, bool(deterministic),
+            need_lse=bool(return_lse),
         )
         return (o, lse) if return_lse else o
 

@@ -90,15 +90,15 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def forward_impl(q, k, v, causal: bool, scale: float, kernel: str):
-    """(o, lse) by the forward kernel."""
+def forward_impl(q, k, v, causal: bool, scale: float, kernel: str, need_lse: bool = True):
+    """(o, lse) by the forward kernel; lse is None when not needed (the kernel then skips it)."""
     batch, heads, seqlen_q, _ = q.shape
     o = torch.empty_like(q)
-    lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
+    lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device) if need_lse else None
     if o.numel() == 0:
         return o, lse
     if k.shape[2] == 0:  # no keys: every row sees nothing
-        return o.zero_(), lse.fill_(-math.inf)
+        return o.zero_(), None if lse is None else lse.fill_(-math.inf)
     _forward_kernel(q, causal, kernel).forward(_aligned(q), _aligned(k), _aligned(v), o, lse, scale)
     return o, lse
 
@@ -187,24 +187,28 @@ class _EagerAttention(torch.autograd.Function):
         return _backward(ctx, d_o, d_lse, backward=backward_impl)
 
 
-def run_attention(q, k, v, causal: bool, scale: float, kernel: str, deterministic: bool):
+def run_attention(q, k, v, causal: bool, scale: float, kernel: str, deterministic: bool, need_lse: bool = True):
     """(o, lse): through the custom op when torch.compile traces the call; in eager mode through
-    the same implementation directly (with autograd only when a gradient is needed)."""
+    the same implementation directly (with autograd only when a gradient is needed). Without a
+    gradient and with need_lse=False, lse is None and never computed."""
     if torch.compiler.is_compiling():
         return attention_fwd(q, k, v, causal, scale, kernel, deterministic)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _EagerAttention.apply(q, k, v, causal, scale, kernel, deterministic)
-    return forward_impl(q, k, v, causal, scale, kernel)
+    return forward_impl(q, k, v, causal, scale, kernel, need_lse)
 
 
 def _well_formed(q, k, v) -> bool:
     """The per-call fast path of check_inputs: True when nothing is wrong."""
-    if not (type(q) is type(k) is type(v) is torch.Tensor and q.dim() == k.dim() == v.dim() == 4):
+    if not type(q) is type(k) is type(v) is torch.Tensor:
         return False
-    batch, heads, _, head_dim = q.shape
-    kv_batch, kv_heads, seqlen_k, kv_dim = k.shape
+    q_shape, k_shape, dtype = q.shape, k.shape, q.dtype  # each attribute read once: they cost
+    if len(q_shape) != 4 or len(k_shape) != 4:
+        return False
+    batch, heads, _, head_dim = q_shape
+    kv_batch, kv_heads, _, kv_dim = k_shape
     return (
-        q.dtype in DTYPES and q.dtype == k.dtype == v.dtype and v.shape == k.shape
+        dtype in DTYPES and dtype == k.dtype == v.dtype and v.shape == k_shape
         and kv_batch == batch and kv_dim == head_dim and kv_heads and not heads % kv_heads
         and not head_dim % 8 and 8 <= head_dim <= 256
         and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
@@ -295,5 +299,7 @@ def attention(
         dtype = torch.get_autocast_dtype("cuda")  # under autocast, like SDPA: fp32 in, autocast dtype
         q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
     check_inputs(q, k, v)
-    o, lse = run_attention(q, k, v, bool(causal), softmax_scale(scale, q.shape[-1]), "", bool(deterministic))
+    o, lse = run_attention(
+        q, k, v, bool(causal), softmax_scale(scale, q.shape[-1]), "", bool(deterministic), need_lse=bool(return_lse)
+    )
     return (o, lse) if return_lse else o

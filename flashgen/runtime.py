@@ -26,6 +26,7 @@ _PARAM_BUFFER_POINTER, _PARAM_BUFFER_SIZE, _PARAM_END = 1, 2, 0  # cuLaunchKerne
 # P: pointer, i: int, q: long long, f: float.
 FORWARD_ARGS = struct.Struct("@5P3i12qf")
 PREP_ARGS = struct.Struct("@5P2i6q")
+BACKWARD_ARGS = {outputs: struct.Struct(f"@{6 + outputs}P4i15q2f") for outputs in (1, 2, 3)}  # by gradients written
 
 
 class CudaError(RuntimeError):
@@ -133,26 +134,30 @@ class Kernel:
         return function.value
 
     def forward(self, q, k, v, o, lse, scale: float) -> None:
-        """o, lse = attention(q, k, v) for (B, H, T, d) tensors already checked by the caller."""
+        """o, lse = attention(q, k, v) for (B, H, T, d) tensors already checked by the caller;
+        lse may be None (not written)."""
         batch, heads, seqlen_q, _ = q.shape
-        params = FORWARD_ARGS.pack(
-            q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
-            seqlen_q, k.shape[2], heads // k.shape[1],
+        _, kv_heads, seqlen_k, _ = k.shape
+        FORWARD_ARGS.pack_into(
+            _launch_slot()[0], 0,
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), 0 if lse is None else lse.data_ptr(),
+            seqlen_q, seqlen_k, heads // kv_heads,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], scale * LOG2E,
         )
-        self._launch(q.get_device(), (-(-seqlen_q // self.spec.block_m), heads, batch), params)
+        self._launch(q.get_device(), (-(-seqlen_q // self.spec.block_m), heads, batch), FORWARD_ARGS.size)
 
     def backward_prep(self, o, d_o, lse, delta, lse_log2) -> None:
         """delta = rowsum(dO * O) and lse_log2 = lse * log2(e), padded rows (see the template)."""
         batch, heads, seqlen_q, head_dim = o.shape
         padded_q = delta.shape[-1]
         rows_per_block = 128 // (1 << (head_dim // 8 - 1).bit_length())
-        params = PREP_ARGS.pack(
+        PREP_ARGS.pack_into(
+            _launch_slot()[0], 0,
             o.data_ptr(), d_o.data_ptr(), lse.data_ptr(), delta.data_ptr(), lse_log2.data_ptr(),
             seqlen_q, padded_q, *o.stride()[:3], *d_o.stride()[:3],
         )
         grid = (padded_q // rows_per_block, heads, batch)
-        self._launch(o.get_device(), grid, params, entry="_prep", block=128, smem=0)
+        self._launch(o.get_device(), grid, PREP_ARGS.size, entry="_prep", block=128, smem=0)
 
     def backward(self, q, k, v, d_o, lse_log2, delta, dk, dv, dq, scale: float) -> None:
         """The gradients this kernel writes (spec.grads): key-major kernels write dk and/or dv and
@@ -167,24 +172,25 @@ class Kernel:
             outputs = tuple(t.data_ptr() for g, t in (("k", dk), ("v", dv), ("q", dq)) if g in grads)
             out_strides = dk.stride()[:3]  # dk and dv share one layout
             grid = (math.ceil(seqlen_k / self.spec.block_n), kv_heads, batch)
-        layout = struct.Struct(f"@{6 + len(outputs)}P4i15q2f")
-        params = layout.pack(
+        layout = BACKWARD_ARGS[len(outputs)]
+        layout.pack_into(
+            _launch_slot()[0], 0,
             q.data_ptr(), k.data_ptr(), v.data_ptr(), d_o.data_ptr(), lse_log2.data_ptr(), delta.data_ptr(),
             *outputs, seqlen_q, seqlen_k, lse_log2.shape[-1], heads // kv_heads,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *d_o.stride()[:3], *out_strides,
             scale, scale * LOG2E,
         )
-        self._launch(q.get_device(), grid, params)
+        self._launch(q.get_device(), grid, layout.size)
 
-    def _launch(self, device: int, grid, params: bytes, entry: str = "", block=None, smem=None) -> None:
+    def _launch(self, device: int, grid, params_size: int, entry: str = "", block=None, smem=None) -> None:
+        """Launch with the first params_size bytes of this thread's parameter buffer."""
         lib = _driver()
         function = self._functions.get((device, entry)) or self.function(device, entry)
-        buffer, size, extra, current, current_ref = _launch_slot()
+        _, size, extra, current, current_ref = _launch_slot()
         lib.cuCtxGetCurrent(current_ref)
         if current.value != _contexts[device]:  # PyTorch's context for this device is usually current
             _make_current(device)
-        ctypes.memmove(buffer, params, len(params))
-        size.value = len(params)
+        size.value = params_size
         result = lib.cuLaunchKernel(
             function, grid[0], grid[1], grid[2], block or self._threads, 1, 1,
             self._smem if smem is None else smem, _current_stream(device), None, extra,

@@ -112,6 +112,17 @@ def test_reruns_are_bitwise_identical():
         assert torch.equal(flashgen.attention(q, k, v, causal=True), first)
 
 
+def test_output_is_the_same_when_lse_is_not_wanted():
+    # Inference without return_lse passes no lse buffer: the kernel skips writing it.
+    q, k, v = make_qkv(2, 4, 2, 1000, 700, 64, torch.bfloat16)
+    with torch.no_grad():
+        for causal in (False, True):
+            out, lse = flashgen.attention(q, k, v, causal=causal, return_lse=True)
+            assert torch.equal(flashgen.attention(q, k, v, causal=causal), out)
+        empty_kv = k[:, :, :0]
+        assert torch.equal(flashgen.attention(q, empty_kv, empty_kv), torch.zeros_like(q))
+
+
 def test_empty_inputs_return_empty_without_launch(monkeypatch):
     from flashgen.runtime import Kernel
 
