@@ -36,9 +36,7 @@ class CudaError(RuntimeError):
 @functools.cache
 def _driver():
     try:
-        # PyDLL keeps the GIL across calls: these calls are short, and releasing and retaking
-        # the GIL cost a launch about a microsecond (measured on the H200 machine).
-        lib = ctypes.PyDLL("libcuda.so.1")
+        lib = ctypes.CDLL("libcuda.so.1")
     except OSError as error:
         raise CudaError("flashgen needs the NVIDIA driver (libcuda.so.1) to run kernels") from error
     lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
