@@ -41,9 +41,42 @@ def test_dtype_selects_the_mma_type():
     assert ".f16" not in bf16
 
 
+def test_warpgroup_mma_only_where_the_spec_says():
+    hopper = KernelSpec(64, block_m=64, block_n=128, num_warps=8, kind="bwd_kvq", causal=True)
+    assert hopper.wgmma
+    source = render(hopper)
+    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in source  # S^T, dP^T: N = block_m
+    assert "fence.proxy.async.shared::cta" in source and "tile_offset" in source
+    assert "red.global.add.v2.f32" in source  # dQ, two columns a reduction
+    wide = KernelSpec(96, block_m=64, block_n=128, num_warps=8, kind="bwd_kvq")
+    assert "m64n96k16" in render(wide)  # dV and dK: N = the padded head dim
+    for plain in (
+        KernelSpec(64, block_m=64, block_n=128, num_warps=8, kind="bwd_kvq", arch="sm_80"),  # no wgmma
+        KernelSpec(64, block_m=32, block_n=128, num_warps=4, kind="bwd_kvq"),  # 32 keys a warp
+        KernelSpec(64, block_m=64, block_n=64, num_warps=2, kind="bwd_v"),  # not a whole warpgroup
+        KernelSpec(64),  # the forward
+    ):
+        assert not plain.wgmma, plain.name
+        assert "wgmma" not in render(plain) and "mma.sync" in render(plain)
+    assert "red.global.add" not in render(KernelSpec(64, block_m=64, block_n=128, num_warps=8, kind="bwd_kvq", arch="sm_80"))
+
+
+def test_dq_work_items_balance_the_warps_then_reuse_operands():
+    from flashgen.render import dq_item
+
+    # (m16 query tiles, n16 head-dim pairs) per item: every warp gets work first, then larger items
+    assert dq_item(KernelSpec(64, block_m=128, block_n=128, num_warps=8, kind="bwd_kvq")) == (2, 2)
+    assert dq_item(KernelSpec(64, block_m=64, block_n=128, num_warps=8, kind="bwd_kvq")) == (1, 2)
+    assert dq_item(KernelSpec(80, block_m=64, block_n=128, num_warps=8, kind="bwd_kvq")) == (1, 1)
+
+
 @pytest.mark.parametrize(
     "spec",
-    [KernelSpec(40, causal=True, dtype="fp16"), KernelSpec(256, block_m=64, block_n=32, num_stages=3, arch="sm_80")],
+    [
+        KernelSpec(40, causal=True, dtype="fp16"),
+        KernelSpec(256, block_m=64, block_n=32, num_stages=3, arch="sm_80"),
+        KernelSpec(128, block_m=64, block_n=128, num_warps=8, kind="bwd_kvq", causal=True),
+    ],
     ids=lambda spec: spec.name,
 )
 def test_no_template_syntax_left(spec):
