@@ -204,13 +204,16 @@ def compile_and_load_times(spec=None) -> dict:
 COLUMNS = ("d", "causal", "T", "flashgen", "flash", "cudnn", "efficient", "vs flash", "vs cudnn")
 
 
+def _ratio(a, b) -> str:
+    return "-" if not (a and b) else f"{a / b:.2f}"
+
+
 def _cells(row) -> list[str]:
     fmt = lambda x: "-" if x is None else f"{x:.0f}"  # noqa: E731
-    ratio = lambda a, b: "-" if not (a and b) else f"{a / b:.2f}"  # noqa: E731
     return [
         str(row["d"]), "yes" if row["causal"] else "no", str(row["T"]), fmt(row["flashgen"]),
         fmt(row["flash"]), fmt(row["cudnn"]), fmt(row["efficient"]),
-        ratio(row["flashgen"], row["flash"]), ratio(row["flashgen"], row["cudnn"]),
+        _ratio(row["flashgen"], row["flash"]), _ratio(row["flashgen"], row["cudnn"]),
     ]
 
 
@@ -240,7 +243,6 @@ def run(head_dims=HEAD_DIMS, seqlens=SEQLENS, modes=tuple(MODES), json_path=None
         "host_overhead_us": host_overhead_us(),
         "compile": compile_and_load_times(),
     }
-    ratio = lambda a, b: "-" if not (a and b) else f"{a / b:.2f}"  # noqa: E731
     for mode, rows in report["tables"].items():
         out = Table(title=f"{mode} TFLOPS, bf16, {report['gpu']} (B*T=16k, model dim 2048)")
         for column in COLUMNS:
@@ -251,7 +253,7 @@ def run(head_dims=HEAD_DIMS, seqlens=SEQLENS, modes=tuple(MODES), json_path=None
     for row in report["backward_memory_mib"]:
         console.print(
             f"backward extra memory d={row['d']} causal={row['causal']} T={row['T']}: flashgen "
-            f"{row['flashgen']:.0f} MiB, flash {row['flash']:.0f} MiB ({ratio(row['flashgen'], row['flash'])}x)"
+            f"{row['flashgen']:.0f} MiB, flash {row['flash']:.0f} MiB ({_ratio(row['flashgen'], row['flash'])}x)"
         )
     overhead, comp = report["host_overhead_us"], report["compile"]
     console.print(

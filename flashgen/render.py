@@ -59,6 +59,7 @@ def dq_item(spec: KernelSpec) -> tuple[int, int]:
 def template_context(spec: KernelSpec) -> dict:
     """Everything a template may use: the spec's fields and the layout derived from them."""
     grads = spec.grads
+    dq_rows, dq_pairs = dq_item(spec)
     # Key-major backward: (accumulator, fp32 tile it is multiplied from, shared-memory B operand)
     gemms = [g for g in (("dv", "s", "do_tile"), ("dk", "dp", "q_tile")) if g[0][1] in grads]
     return {
@@ -76,10 +77,9 @@ def template_context(spec: KernelSpec) -> dict:
         "gemms": gemms,
         "grads_text": " and ".join({"k": "dK", "v": "dV"}[g] for g in grads if g != "q"),
         "prep_lanes": 1 << (spec.head_dim // 8 - 1).bit_length(),
-        "wgmma": spec.wgmma,
-        "tiled": spec.wgmma,  # shared-memory tiles as wgmma's core matrices
-        "dq_rows": dq_item(spec)[0],
-        "dq_pairs": dq_item(spec)[1],
+        "wgmma": spec.wgmma,  # also stores the shared-memory tiles as wgmma's core matrices
+        "dq_rows": dq_rows,
+        "dq_pairs": dq_pairs,
     }
 
 
