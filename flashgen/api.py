@@ -55,15 +55,13 @@ def device_arch(device: int) -> str:
     return arch
 
 
-def _forward_kernel(q: torch.Tensor, causal: bool, name: str) -> Kernel:
+def _forward_kernel(device: int, seqlen_q: int, head_dim: int, dtype: torch.dtype, causal: bool, name: str) -> Kernel:
     if name:
         return _by_name.get(name) or kernel_for_spec(KernelSpec.from_name(name))
-    device = q.get_device()
-    short = q.shape[2] <= tuning.SHORT_QUERY
-    problem = (device, q.shape[3], q.dtype, causal, short)
+    problem = (device, head_dim, dtype, causal, seqlen_q <= tuning.SHORT_QUERY)
     kernel = _by_problem.get(problem)
     if kernel is None:
-        spec = tuning.forward_spec(q.shape[3], DTYPES[q.dtype], causal, device_arch(device), q.shape[2])
+        spec = tuning.forward_spec(head_dim, DTYPES[dtype], causal, device_arch(device), seqlen_q)
         kernel = _by_problem[problem] = kernel_for_spec(spec)
     return kernel
 
@@ -92,14 +90,16 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 def forward_impl(q, k, v, causal: bool, scale: float, kernel: str, need_lse: bool = True):
     """(o, lse) by the forward kernel; lse is None when not needed (the kernel then skips it)."""
-    batch, heads, seqlen_q, _ = q.shape
+    batch, heads, seqlen_q, head_dim = q.shape
     o = torch.empty_like(q)
     lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device) if need_lse else None
     if o.numel() == 0:
         return o, lse
     if k.shape[2] == 0:  # no keys: every row sees nothing
         return o.zero_(), None if lse is None else lse.fill_(-math.inf)
-    _forward_kernel(q, causal, kernel).forward(_aligned(q), _aligned(k), _aligned(v), o, lse, scale)
+    device = q.get_device()
+    kernel = _forward_kernel(device, seqlen_q, head_dim, q.dtype, causal, kernel)
+    kernel.forward(device, _aligned(q), _aligned(k), _aligned(v), o, lse, scale)
     return o, lse
 
 

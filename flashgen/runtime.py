@@ -2,7 +2,8 @@
 
 The driver is called directly with ctypes (libcuda is there wherever a kernel can run): importing
 CuPy alone costs more than the whole warm load of a cached kernel, and its launch path more than
-ours. Kernels run in the device's primary context, the one PyTorch uses, so they read and write
+ours. The library is loaded as a PyDLL (calls keep the GIL, as PyTorch's own launches do), which
+saves releasing and retaking it on every launch. Kernels run in the device's primary context, the one PyTorch uses, so they read and write
 torch tensors through their raw pointers. CuPy is only needed to compile (compile.py).
 """
 
@@ -36,7 +37,7 @@ class CudaError(RuntimeError):
 @functools.cache
 def _driver():
     try:
-        lib = ctypes.CDLL("libcuda.so.1")
+        lib = ctypes.PyDLL("libcuda.so.1")
     except OSError as error:
         raise CudaError("flashgen needs the NVIDIA driver (libcuda.so.1) to run kernels") from error
     lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
@@ -73,10 +74,11 @@ def _launch_slot():
     return slot
 
 
-def _current_stream(device: int) -> int:
-    # The private accessor skips building a torch.cuda.Stream object: a few microseconds a call.
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(device) if raw else torch.cuda.current_stream(device).cuda_stream
+# The current stream's raw handle. The private accessor skips building a torch.cuda.Stream object:
+# a few microseconds a call.
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda device: torch.cuda.current_stream(device).cuda_stream
+)
 
 
 def _make_current(device: int) -> None:
@@ -133,31 +135,29 @@ class Kernel:
             _check(lib, lib.cuFuncSetAttribute(function, _SMEM_CARVEOUT, 100), "setting the carve-out")
         return function.value
 
-    def forward(self, q, k, v, o, lse, scale: float) -> None:
-        """o, lse = attention(q, k, v) for (B, H, T, d) tensors already checked by the caller;
-        lse may be None (not written)."""
+    def forward(self, device: int, q, k, v, o, lse, scale: float) -> None:
+        """o, lse = attention(q, k, v) for (B, H, T, d) tensors on `device` already checked by the
+        caller; lse may be None (not written)."""
         batch, heads, seqlen_q, _ = q.shape
         _, kv_heads, seqlen_k, _ = k.shape
-        FORWARD_ARGS.pack_into(
-            _launch_slot()[0], 0,
+        self._launch(
+            device, (-(-seqlen_q // self.spec.block_m), heads, batch), FORWARD_ARGS,
             q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), 0 if lse is None else lse.data_ptr(),
             seqlen_q, seqlen_k, heads // kv_heads,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], scale * LOG2E,
         )
-        self._launch(q.get_device(), (-(-seqlen_q // self.spec.block_m), heads, batch), FORWARD_ARGS.size)
 
     def backward_prep(self, o, d_o, lse, delta, lse_log2) -> None:
         """delta = rowsum(dO * O) and lse_log2 = lse * log2(e), padded rows (see the template)."""
         batch, heads, seqlen_q, head_dim = o.shape
         padded_q = delta.shape[-1]
         rows_per_block = 128 // (1 << (head_dim // 8 - 1).bit_length())
-        PREP_ARGS.pack_into(
-            _launch_slot()[0], 0,
+        self._launch(
+            o.get_device(), (padded_q // rows_per_block, heads, batch), PREP_ARGS,
             o.data_ptr(), d_o.data_ptr(), lse.data_ptr(), delta.data_ptr(), lse_log2.data_ptr(),
             seqlen_q, padded_q, *o.stride()[:3], *d_o.stride()[:3],
+            entry="_prep", block=128, smem=0,
         )
-        grid = (padded_q // rows_per_block, heads, batch)
-        self._launch(o.get_device(), grid, PREP_ARGS.size, entry="_prep", block=128, smem=0)
 
     def backward(self, q, k, v, d_o, lse_log2, delta, dk, dv, dq, scale: float) -> None:
         """The gradients this kernel writes (spec.grads): key-major kernels write dk and/or dv and
@@ -172,27 +172,27 @@ class Kernel:
             outputs = tuple(t.data_ptr() for g, t in (("k", dk), ("v", dv), ("q", dq)) if g in grads)
             out_strides = dk.stride()[:3]  # dk and dv share one layout
             grid = (math.ceil(seqlen_k / self.spec.block_n), kv_heads, batch)
-        layout = BACKWARD_ARGS[len(outputs)]
-        layout.pack_into(
-            _launch_slot()[0], 0,
+        self._launch(
+            q.get_device(), grid, BACKWARD_ARGS[len(outputs)],
             q.data_ptr(), k.data_ptr(), v.data_ptr(), d_o.data_ptr(), lse_log2.data_ptr(), delta.data_ptr(),
             *outputs, seqlen_q, seqlen_k, lse_log2.shape[-1], heads // kv_heads,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *d_o.stride()[:3], *out_strides,
             scale, scale * LOG2E,
         )
-        self._launch(q.get_device(), grid, layout.size)
 
-    def _launch(self, device: int, grid, params_size: int, entry: str = "", block=None, smem=None) -> None:
-        """Launch with the first params_size bytes of this thread's parameter buffer."""
+    def _launch(self, device: int, grid, args: struct.Struct, *values, entry="", block=None, smem=None) -> None:
+        """Launch with the kernel parameters `values`, packed by `args` into this thread's buffer."""
         lib = _driver()
         function = self._functions.get((device, entry)) or self.function(device, entry)
-        _, size, extra, current, current_ref = _launch_slot()
+        buffer, size, extra, current, current_ref = _launch_slot()
+        args.pack_into(buffer, 0, *values)
+        size.value = args.size
         lib.cuCtxGetCurrent(current_ref)
         if current.value != _contexts[device]:  # PyTorch's context for this device is usually current
             _make_current(device)
-        size.value = params_size
         result = lib.cuLaunchKernel(
             function, grid[0], grid[1], grid[2], block or self._threads, 1, 1,
             self._smem if smem is None else smem, _current_stream(device), None, extra,
         )
-        _check(lib, result, f"launching {self.spec.name}{entry}")
+        if result:
+            _check(lib, result, f"launching {self.spec.name}{entry}")
