@@ -211,7 +211,7 @@ def _well_formed(q, k, v) -> bool:
         dtype in DTYPES and dtype == k.dtype == v.dtype and v.shape == k_shape
         and kv_batch == batch and kv_dim == head_dim and kv_heads and not heads % kv_heads
         and not head_dim % 8 and 8 <= head_dim <= 256
-        and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+        and q.stride()[3] == 1 and k.stride()[3] == 1 and v.stride()[3] == 1  # cheaper than stride(-1)
         and q.is_cuda and q.get_device() == k.get_device() == v.get_device()  # ints: no device objects
     )
 

@@ -142,22 +142,28 @@ class Kernel:
         caller; lse may be None (not written)."""
         batch, heads, seqlen_q, _ = q.shape
         _, kv_heads, seqlen_k, _ = k.shape
-        self._launch(
-            device, (-(-seqlen_q // self.spec.block_m), heads, batch), FORWARD_ARGS,
+        slot = _launch_slot()
+        FORWARD_ARGS.pack_into(
+            slot[0], 0,
             q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), 0 if lse is None else lse.data_ptr(),
             seqlen_q, seqlen_k, heads // kv_heads,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], scale * LOG2E,
         )
+        self._launch(slot, FORWARD_ARGS.size, device, -(-seqlen_q // self.spec.block_m), heads, batch)
 
     def backward_prep(self, o, d_o, lse, delta, lse_log2) -> None:
         """delta = rowsum(dO * O) and lse_log2 = lse * log2(e), padded rows (see the template)."""
         batch, heads, seqlen_q, head_dim = o.shape
         padded_q = delta.shape[-1]
         rows_per_block = 128 // (1 << (head_dim // 8 - 1).bit_length())
-        self._launch(
-            o.get_device(), (padded_q // rows_per_block, heads, batch), PREP_ARGS,
+        slot = _launch_slot()
+        PREP_ARGS.pack_into(
+            slot[0], 0,
             o.data_ptr(), d_o.data_ptr(), lse.data_ptr(), delta.data_ptr(), lse_log2.data_ptr(),
             seqlen_q, padded_q, *o.stride()[:3], *d_o.stride()[:3],
+        )
+        self._launch(
+            slot, PREP_ARGS.size, o.get_device(), padded_q // rows_per_block, heads, batch,
             entry="_prep", block=128, smem=0,
         )
 
@@ -174,26 +180,29 @@ class Kernel:
             outputs = tuple(t.data_ptr() for g, t in (("k", dk), ("v", dv), ("q", dq)) if g in grads)
             out_strides = dk.stride()[:3]  # dk and dv share one layout
             grid = (math.ceil(seqlen_k / self.spec.block_n), kv_heads, batch)
-        self._launch(
-            q.get_device(), grid, BACKWARD_ARGS[len(outputs)],
+        layout, slot = BACKWARD_ARGS[len(outputs)], _launch_slot()
+        layout.pack_into(
+            slot[0], 0,
             q.data_ptr(), k.data_ptr(), v.data_ptr(), d_o.data_ptr(), lse_log2.data_ptr(), delta.data_ptr(),
             *outputs, seqlen_q, seqlen_k, lse_log2.shape[-1], heads // kv_heads,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *d_o.stride()[:3], *out_strides,
             scale, scale * LOG2E,
         )
+        self._launch(slot, layout.size, q.get_device(), *grid)
 
-    def _launch(self, device: int, grid, args: struct.Struct, *values, entry="", block=None, smem=None) -> None:
-        """Launch with the kernel parameters `values`, packed by `args` into this thread's buffer."""
+    def _launch(self, slot, params_size: int, device: int, grid_x: int, grid_y: int, grid_z: int,
+                entry: str = "", block: int | None = None, smem: int | None = None) -> None:
+        """Launch with the first params_size bytes of the slot's parameter buffer (packed by the
+        caller: passing the values through here would cost more than the packing)."""
         lib = _driver()
         function = self._functions.get((device, entry)) or self.function(device, entry)
-        buffer, size, extra, current, current_ref = _launch_slot()
-        args.pack_into(buffer, 0, *values)
-        size.value = args.size
+        _, size, extra, current, current_ref = slot
+        size.value = params_size
         lib.cuCtxGetCurrent(current_ref)
         if current.value != _contexts[device]:  # PyTorch's context for this device is usually current
             _make_current(device)
         result = lib.cuLaunchKernel(
-            function, grid[0], grid[1], grid[2], block or self._threads, 1, 1,
+            function, grid_x, grid_y, grid_z, block or self._threads, 1, 1,
             self._smem if smem is None else smem, ctypes.c_void_p(_current_stream(device)), None, extra,
         )
         if result:
