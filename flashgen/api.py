@@ -98,8 +98,8 @@ def forward_impl(q, k, v, causal: bool, scale: float, kernel: str, need_lse: boo
     if k.shape[2] == 0:  # no keys: every row sees nothing
         return o.zero_(), None if lse is None else lse.fill_(-math.inf)
     device = q.get_device()
-    kernel = _forward_kernel(device, seqlen_q, head_dim, q.dtype, causal, kernel)
-    kernel.forward(device, _aligned(q), _aligned(k), _aligned(v), o, lse, scale)
+    chosen = _forward_kernel(device, seqlen_q, head_dim, q.dtype, causal, kernel)
+    chosen.forward(device, _aligned(q), _aligned(k), _aligned(v), o, lse, scale)
     return o, lse
 
 

@@ -41,8 +41,8 @@ def _driver():
     except OSError as error:
         raise CudaError("flashgen needs the NVIDIA driver (libcuda.so.1) to run kernels") from error
     # cuLaunchKernel has no argtypes: converting eleven arguments through them costs about a third
-    # of the call. Its pointers are therefore passed as c_void_p objects (a bare Python int would go
-    # as a 32-bit C int), its sizes as small ints.
+    # of the call. Its pointers are therefore passed as c_void_p objects (ctypes would truncate a
+    # bare Python int to a 32-bit C int), its sizes as small ints.
     lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.cuModuleGetFunction.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p]
     lib.cuModuleLoadData.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
