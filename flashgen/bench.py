@@ -145,7 +145,10 @@ def backward_peak_bytes(out, leaves) -> int:
     return torch.cuda.max_memory_allocated() - before
 
 
-def host_overhead_us(calls: int = 1000, rounds: int = 5) -> dict:
+HOST_CALLS, HOST_ROUNDS = 1000, 5
+
+
+def host_overhead_us(calls: int = HOST_CALLS, rounds: int = HOST_ROUNDS) -> dict:
     """Wall time per call on a tiny causal input (1x1x128x64), where launch cost dominates: the
     median over `rounds` rounds of `calls` calls, flashgen's and SDPA's rounds interleaved so that
     both see the same machine state."""
@@ -257,7 +260,8 @@ def run(head_dims=HEAD_DIMS, seqlens=SEQLENS, modes=tuple(MODES), json_path=None
         )
     overhead, comp = report["host_overhead_us"], report["compile"]
     console.print(
-        f"host overhead per call (1x1x128x64 causal, median of 5 rounds of 1000): flashgen {overhead['flashgen']:.1f} us, "
+        f"host overhead per call (1x1x128x64 causal, median of {HOST_ROUNDS} rounds of {HOST_CALLS}): "
+        f"flashgen {overhead['flashgen']:.1f} us, "
         f"SDPA {overhead['sdpa']:.1f} us"
     )
     console.print(

@@ -76,7 +76,7 @@ def template_context(spec: KernelSpec) -> dict:
         "need_dp": "k" in grads or "q" in grads,
         "gemms": gemms,
         "grads_text": " and ".join({"k": "dK", "v": "dV"}[g] for g in grads if g != "q"),
-        "prep_lanes": 1 << (spec.head_dim // 8 - 1).bit_length(),
+        "prep_lanes": spec.prep_lanes,
         "wgmma": spec.wgmma,  # also stores the shared-memory tiles as wgmma's core matrices
         "dq_rows": dq_rows,
         "dq_pairs": dq_pairs,

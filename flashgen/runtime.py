@@ -3,8 +3,9 @@
 The driver is called directly with ctypes (libcuda is there wherever a kernel can run): importing
 CuPy alone costs more than the whole warm load of a cached kernel, and its launch path more than
 ours. The library is loaded as a PyDLL (calls keep the GIL, as PyTorch's own launches do), which
-saves releasing and retaking it on every launch. Kernels run in the device's primary context, the one PyTorch uses, so they read and write
-torch tensors through their raw pointers. CuPy is only needed to compile (compile.py).
+saves releasing and retaking it on every launch. Kernels run in the device's primary context, the
+one PyTorch uses, so they read and write torch tensors through their raw pointers. CuPy is only
+needed to compile (compile.py).
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ class Kernel:
         self.cubin = cubin
         self._threads, self._smem = spec.num_threads, spec.smem_bytes  # properties: computed once
         self._modules: dict[int, int] = {}
-        self._functions: dict[tuple[int, str], int] = {}
+        self._functions: dict[tuple[int, str], ctypes.c_void_p] = {}
 
     def function(self, device: int, entry: str = "") -> ctypes.c_void_p:
         function = self._functions.get((device, entry))
@@ -153,9 +154,9 @@ class Kernel:
 
     def backward_prep(self, o, d_o, lse, delta, lse_log2) -> None:
         """delta = rowsum(dO * O) and lse_log2 = lse * log2(e), padded rows (see the template)."""
-        batch, heads, seqlen_q, head_dim = o.shape
+        batch, heads, seqlen_q, _ = o.shape
         padded_q = delta.shape[-1]
-        rows_per_block = 128 // (1 << (head_dim // 8 - 1).bit_length())
+        rows_per_block = 128 // self.spec.prep_lanes
         slot = _launch_slot()
         PREP_ARGS.pack_into(
             slot[0], 0,

@@ -153,6 +153,12 @@ class KernelSpec:
         return self.kind.removeprefix("bwd_") if self.kind != "fwd" else ""
 
     @property
+    def prep_lanes(self) -> int:
+        """Lanes per query row in the backward's prep kernel (128 threads a block): the row's
+        16-byte chunks, rounded up to a power of two."""
+        return 1 << (self.head_dim // 8 - 1).bit_length()
+
+    @property
     def rows_per_warp(self) -> int:
         return (self.block_n if self.key_major else self.block_m) // self.num_warps
 

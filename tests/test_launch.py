@@ -115,3 +115,17 @@ def test_a_failed_launch_raises_with_the_kernel_name(driver, monkeypatch):
     with pytest.raises(runtime.CudaError, match=f"launching {kernel.spec.name} failed: CUDA_ERROR_INVALID_VALUE"):
         kernel.forward(-1, q, q, q, torch.empty_like(q), None, 1.0)
 
+
+
+@pytest.mark.parametrize("head_dim", [32, 40, 64, 96, 128, 256])
+def test_prep_launch_covers_every_padded_row(driver, head_dim):
+    spec = tuning.tuned_spec("bwd_kvq" if head_dim <= 128 else "bwd_kq", head_dim, "bf16", False, "sm_90a")
+    lanes = int(re.search(r"constexpr int PREP_LANES = (\d+);", render(spec)).group(1))
+    kernel = Kernel(spec, b"")
+    kernel._functions[(-1, "_prep")] = ctypes.c_void_p(0x78)
+    o = torch.zeros(2, 3, 100, head_dim, dtype=torch.bfloat16)
+    delta = torch.zeros(2, 3, 128)
+    kernel.backward_prep(o, o, torch.zeros(2, 3, 100), delta, torch.zeros_like(delta))
+    (function, gx, gy, gz, block, *_), = driver.launches
+    assert function.value == 0x78 and block == 128 and (gy, gz) == (3, 2)
+    assert gx * (128 // lanes) == 128  # the template's rows per block times the grid: every padded row
