@@ -3,30 +3,49 @@
     import flashgen
     out = flashgen.attention(q, k, v, causal=True)     # (B, H, T, d) fp16/bf16 CUDA tensors
 
-The pipeline reads in one direction: KernelSpec (spec.py) -> CUDA source (render.py, templates/)
--> cubin (compile.py) -> disk cache (cache.py) -> loaded kernel (runtime.py) -> torch op (api.py).
+The pipeline reads in one direction: KernelSpec (spec.py; its kernel family in families/) -> CUDA
+source (render.py, templates/) -> cubin (compile.py) -> disk cache (cache.py) -> loaded kernel
+(kernels.py, runtime.py) -> launch plan (plans.py) -> torch op (api.py).
+
+Names are imported on first use, so `import flashgen` (and the `flashgen` command) stays cheap:
+only what runs kernels imports torch.
 """
+
+import importlib
 
 __version__ = "0.1.0"
 
-from .aot import PrebuiltKernel, build, load  # noqa: E402
-from .api import NoJitError, attention  # noqa: E402
-from .cache import CacheError, KernelCache  # noqa: E402
-from .compile import CompileError, Resources  # noqa: E402
-from .render import render  # noqa: E402
-from .spec import KernelSpec, SpecError  # noqa: E402
+_EXPORTS = {
+    "attention": "api",
+    "CacheError": "cache",
+    "KernelCache": "cache",
+    "CompileError": "compile",
+    "NoJitError": "compile",
+    "Resources": "compile",
+    "PrebuiltKernel": "aot",
+    "build": "aot",
+    "load": "aot",
+    "render": "render",
+    "KernelSpec": "spec",
+    "SpecError": "spec",
+}
+_SUBMODULES = (
+    "aot", "api", "bench", "cache", "check", "cli", "compile", "families", "kernels", "params", "plans",
+    "reference", "render", "runtime", "smem", "spec", "tuning",
+)
 
-__all__ = [
-    "CacheError",
-    "CompileError",
-    "KernelCache",
-    "KernelSpec",
-    "NoJitError",
-    "PrebuiltKernel",
-    "Resources",
-    "SpecError",
-    "attention",
-    "build",
-    "load",
-    "render",
-]
+__all__ = sorted(_EXPORTS) + ["reference"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'flashgen' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS) | set(_SUBMODULES))

@@ -5,7 +5,8 @@ Per kernel the folder holds <name>.cu (the source), <name>.cubin, <name>.json (s
 resources) and, for a forward kernel, <name>.py, a module whose `attention` runs it. A forward
 kernel's JSON names the backward kernels built with it, which load with it, so the imported
 function is differentiable. Each file is written atomically and the JSON last, so a folder
-interrupted mid-build never holds a kernel that loads wrongly.
+interrupted mid-build never holds a kernel that loads wrongly. The files are readable by everyone
+(a deployment folder, unlike the private cache).
 """
 
 from __future__ import annotations
@@ -19,9 +20,8 @@ from pathlib import Path
 from . import __version__
 from .cache import cubin_matches, default_cache, write_atomic
 from .compile import Resources
-from .runtime import Kernel
 from .spec import KernelSpec
-from .tuning import backward_specs
+from .tuning import backward_prep, backward_specs
 
 MODULE = '''"""flashgen ahead-of-time kernel {name} (flashgen {version}, NVRTC {nvrtc}).
 
@@ -37,34 +37,53 @@ attention = _flashgen.load(_Path(__file__).with_suffix(".json"))
 spec = attention.spec
 '''
 
-PACKAGE_INIT = '''"""Ahead-of-time flashgen kernels: `import <this package>.<kernel name>`, or flashgen.load(path)."""
+# The package's __init__.py: what generated/__init__.py holds (tracked), and what a build writes
+# into a new folder.
+PACKAGE_INIT = '''"""Ahead-of-time flashgen kernels (see README.md): `from <this package> import <kernel name>`,
+then `<kernel name>.attention(q, k, v)`; or `kernels()` for all of them, by name."""
+
+from pathlib import Path as _Path
+
+
+def kernels() -> dict:
+    """Every forward kernel in this folder (each loads its backward kernels), by name."""
+    import flashgen
+
+    return flashgen.load(_Path(__file__).parent)
 '''
+
+READABLE = 0o644  # built files: a deployment folder others may read
 
 
 def export(spec: KernelSpec, out: Path, backward: tuple[str, ...] = ()) -> dict:
     """Build (or take from the cache) one kernel and write its files into `out`."""
-    artifact = default_cache().get(spec)
+    artifact = default_cache().get(spec, ahead_of_time=True)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / spec.name
-    write_atomic(stem.with_suffix(".cu"), (artifact.path / "kernel.cu").read_bytes())
-    write_atomic(stem.with_suffix(".cubin"), artifact.cubin)
+    _write(stem.with_suffix(".cu"), (artifact.path / "kernel.cu").read_bytes())
+    _write(stem.with_suffix(".cubin"), artifact.cubin)
     meta = {k: v for k, v in artifact.meta.items() if k != "compile_seconds"}
     if spec.kind == "fwd":
         meta["backward"] = list(backward)
         module = MODULE.format(name=spec.name, version=__version__, nvrtc=meta["nvrtc"], package=out.name)
-        write_atomic(stem.with_suffix(".py"), module.encode())
-    write_atomic(stem.with_suffix(".json"), json.dumps(meta, indent=2).encode())  # last
+        _write(stem.with_suffix(".py"), module.encode())
+    _write(stem.with_suffix(".json"), json.dumps(meta, indent=2).encode())  # last
     return meta
 
 
+def _write(path: Path, data: bytes) -> None:
+    write_atomic(path, data)
+    os.chmod(path, READABLE)
+
+
 def with_backward(specs: list[KernelSpec]) -> dict[KernelSpec, tuple[str, ...]]:
-    """Each forward spec with the backward kernels (both modes) that the tables pick for it."""
+    """Each forward spec with the backward kernels (prep, and both modes) that the tables pick for it."""
     plan = {}
     for spec in specs:
         if spec.kind != "fwd":
             plan.setdefault(spec, ())
             continue
-        picked = []
+        picked = [backward_prep(spec.head_dim, spec.dtype, spec.arch)]
         for deterministic in (False, True):
             picked += backward_specs(spec.head_dim, spec.dtype, spec.causal, spec.arch, deterministic)
         picked = list(dict.fromkeys(picked))
@@ -82,7 +101,7 @@ def build(specs: list[KernelSpec], out: Path, jobs: int | None = None, progress=
     out.mkdir(parents=True, exist_ok=True)
     init = out / "__init__.py"
     if not init.exists():
-        write_atomic(init, PACKAGE_INIT.encode())
+        _write(init, PACKAGE_INIT.encode())
     plan = with_backward(specs) if backward else {spec: () for spec in specs}
     jobs = jobs or min(len(plan), os.cpu_count() or 1)
     results = []
@@ -116,51 +135,63 @@ def built(out: Path) -> list[dict]:
 
 
 class PrebuiltKernel:
-    """A kernel loaded from a build folder, callable like flashgen.attention with its mask fixed."""
+    """A forward kernel loaded from a build folder, callable like flashgen.attention with its mask
+    fixed; it runs through exactly the same path (autocast, input checks, the custom op)."""
 
-    def __init__(self, kernel: Kernel, meta: dict, path: Path):
-        self.kernel = kernel
-        self.spec = kernel.spec
+    def __init__(self, spec: KernelSpec, meta: dict, path: Path):
+        self.spec = spec
         self.meta = meta
         self.path = path
         self.resources = Resources(**meta["resources"])
 
     def __call__(self, q, k, v, *, scale: float | None = None, return_lse: bool = False,
                  deterministic: bool = False):
-        from .api import DTYPES, check_inputs, run_attention, softmax_scale
+        from .api import call
 
-        check_inputs(q, k, v)
-        spec = self.spec
-        if q.shape[-1] != spec.head_dim or DTYPES[q.dtype] != spec.dtype:
-            raise ValueError(
-                f"{spec.name} takes head_dim={spec.head_dim} {spec.dtype}; got head_dim="
-                f"{q.shape[-1]} {DTYPES[q.dtype]}"
-            )
-        o, lse = run_attention(
-            q, k, v, spec.causal, softmax_scale(scale, spec.head_dim), spec.name, bool(deterministic),
-            need_lse=bool(return_lse),
-        )
-        return (o, lse) if return_lse else o
+        return call(q, k, v, self.spec.causal, scale, return_lse, deterministic, spec=self.spec)
 
     def __repr__(self) -> str:
         return f"PrebuiltKernel({self.spec.name}, {self.path})"
 
 
-def _read(meta_path: Path) -> tuple[Kernel, dict]:
+def _read(meta_path: Path) -> tuple[KernelSpec, bytes, dict]:
     meta = json.loads(meta_path.read_text())
     cubin = meta_path.with_suffix(".cubin").read_bytes()
     if not cubin_matches(cubin, meta):
         raise ValueError(f"{meta_path.with_suffix('.cubin')} does not match its checksum: rebuild it")
-    return Kernel(KernelSpec(**meta["spec"]), cubin), meta
+    return KernelSpec(**meta["spec"]), cubin, meta
 
 
-def load(path) -> PrebuiltKernel:
-    """Load a forward kernel written by `flashgen build` (the .json, .cubin or .py path, or the
-    stem) and the backward kernels built with it. Needs no compiler; touches no GPU until called."""
-    from .api import register
+def _register(spec: KernelSpec, cubin: bytes) -> None:
+    from .kernels import Kernel, register
 
-    meta_path = Path(path).with_suffix(".json")  # kernel names hold no dots
-    kernel, meta = _read(meta_path)
+    register(Kernel(spec, cubin))
+
+
+def load(path) -> PrebuiltKernel | dict[str, PrebuiltKernel]:
+    """Load a forward kernel written by `flashgen build` (its .json, .cubin or .py path, or the
+    stem) and the backward kernels built with it; or, given a build folder, every forward kernel in
+    it, as {name: kernel}. Needs no compiler; touches no GPU until called."""
+    path = Path(path)
+    if path.is_dir():
+        forwards = [Path(meta["path"]) for meta in built(path) if meta["spec"]["kind"] == "fwd"]
+        if not forwards:
+            raise FileNotFoundError(
+                f"{path} holds no kernels built by `flashgen build` (a <name>.json with its "
+                f"<name>.cubin); build some with `flashgen build --d 64 --out {path}`"
+            )
+        return {meta_path.stem: load(meta_path) for meta_path in forwards}
+    meta_path = path.with_suffix(".json")  # kernel names hold no dots
+    if not meta_path.exists():
+        raise FileNotFoundError(f"{meta_path} does not exist: flashgen.load takes a kernel's .json, .cubin or .py, or a build folder")
+    spec, cubin, meta = _read(meta_path)
+    if spec.kind != "fwd":
+        raise ValueError(
+            f"{spec.name} is a backward piece ({spec.kind}): it loads with the forward kernel it was "
+            f"built for, whose .json names it; load that forward kernel, or the folder"
+        )
     for name in meta.get("backward", []):
-        register(_read(meta_path.with_name(name + ".json"))[0])
-    return PrebuiltKernel(register(kernel), meta, meta_path)
+        companion, companion_cubin, _ = _read(meta_path.with_name(name + ".json"))
+        _register(companion, companion_cubin)
+    _register(spec, cubin)
+    return PrebuiltKernel(spec, meta, meta_path)

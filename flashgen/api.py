@@ -1,79 +1,21 @@
-"""flashgen.attention: input checks, kernel choice, and the torch.library custom ops.
+"""flashgen.attention: input checks, the launch plans, and the torch.library custom ops.
 
-The ops take the kernel's name as a plain string ("" = choose by heuristic), so a graph traced by
-torch.compile holds no Python objects, and prebuilt (ahead-of-time) kernels run through the same
-ops. In eager mode the same implementations run without the op dispatcher, which costs more per
-call than everything else together (see run_attention).
+The forward op carries the kernel it runs as its spec's canonical text ("" = the tables' choice),
+so a graph traced by torch.compile holds no Python objects, and prebuilt (ahead-of-time) kernels
+run through the same ops. In eager mode the same implementations run without the op dispatcher,
+which costs more per call than everything else together (see run_attention).
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
-from . import tuning
-from .runtime import Kernel
-from .spec import STATS_PAD, KernelSpec, arch_for_capability
-
-DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
-
-# Loaded kernels: by name (prebuilt or JIT) and by the heuristic's inputs (the per-call fast path).
-_by_name: dict[str, Kernel] = {}
-_by_problem: dict[tuple, Kernel | list[Kernel]] = {}
-_arch: dict[int, str] = {}
-
-
-class NoJitError(RuntimeError):
-    """FLASHGEN_NO_JIT is set and the kernel needed is not prebuilt."""
-
-
-def register(kernel: Kernel) -> Kernel:
-    """Make a loaded kernel available to the op under its name (used by flashgen.load)."""
-    return _by_name.setdefault(kernel.spec.name, kernel)
-
-
-def kernel_for_spec(spec: KernelSpec) -> Kernel:
-    kernel = _by_name.get(spec.name)
-    if kernel is None:
-        if os.environ.get("FLASHGEN_NO_JIT"):
-            raise NoJitError(
-                f"kernel {spec.name} is not prebuilt and FLASHGEN_NO_JIT is set: build it with "
-                f"`flashgen build` and load it with flashgen.load(), or unset FLASHGEN_NO_JIT"
-            )
-        from .cache import default_cache
-
-        kernel = register(Kernel(spec, default_cache().get(spec).cubin))
-    return kernel
-
-
-def device_arch(device: int) -> str:
-    arch = _arch.get(device)
-    if arch is None:
-        arch = _arch[device] = arch_for_capability(*torch.cuda.get_device_capability(device))
-    return arch
-
-
-def _forward_kernel(device: int, seqlen_q: int, head_dim: int, dtype: torch.dtype, causal: bool, name: str) -> Kernel:
-    if name:
-        return _by_name.get(name) or kernel_for_spec(KernelSpec.from_name(name))
-    problem = (device, head_dim, dtype, causal, seqlen_q <= tuning.SHORT_QUERY)
-    kernel = _by_problem.get(problem)
-    if kernel is None:
-        spec = tuning.forward_spec(head_dim, DTYPES[dtype], causal, device_arch(device), seqlen_q)
-        kernel = _by_problem[problem] = kernel_for_spec(spec)
-    return kernel
-
-
-def _backward_kernels(q: torch.Tensor, causal: bool, deterministic: bool) -> list[Kernel]:
-    device = q.get_device()
-    problem = ("bwd", device, q.shape[3], q.dtype, causal, deterministic)
-    kernels = _by_problem.get(problem)
-    if kernels is None:
-        specs = tuning.backward_specs(q.shape[3], DTYPES[q.dtype], causal, device_arch(device), deterministic)
-        kernels = _by_problem[problem] = [kernel_for_spec(spec) for spec in specs]
-    return kernels
+from . import plans
+from .compile import NoJitError  # noqa: F401  (re-exported: flashgen.NoJitError)
+from .plans import DTYPES
+from .spec import HEAD_DIM_RULE, KernelSpec
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -89,7 +31,8 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def forward_impl(q, k, v, causal: bool, scale: float, kernel: str, need_lse: bool = True):
-    """(o, lse) by the forward kernel; lse is None when not needed (the kernel then skips it)."""
+    """(o, lse) by the forward plan; lse is None when not needed (the kernel then skips it).
+    `kernel` is the canonical text of the spec to run, or "" for the tables' choice."""
     batch, heads, seqlen_q, head_dim = q.shape
     o = torch.empty_like(q)
     lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device) if need_lse else None
@@ -98,30 +41,22 @@ def forward_impl(q, k, v, causal: bool, scale: float, kernel: str, need_lse: boo
     if k.shape[2] == 0:  # no keys: every row sees nothing
         return o.zero_(), None if lse is None else lse.fill_(-math.inf)
     device = q.get_device()
-    chosen = _forward_kernel(device, seqlen_q, head_dim, q.dtype, causal, kernel)
-    chosen.forward(device, _aligned(q), _aligned(k), _aligned(v), o, lse, scale)
+    plan = plans.forward(device, head_dim, q.dtype, causal, seqlen_q, kernel)
+    plan.run(device, {"q": _aligned(q), "k": _aligned(k), "v": _aligned(v), "o": o, "lse": lse, "scale": scale})
     return o, lse
 
 
-def backward_impl(d_o, q, k, v, o, lse, d_lse, causal: bool, scale: float, deterministic: bool):
-    """(dq, dk, dv) from the forward's inputs, output and log-sum-exp; P is recomputed."""
-    batch, heads, seqlen_q, head_dim = q.shape
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)  # dk, dv: one layout
+def backward_impl(d_o, q, k, v, o, lse, d_lse, causal: bool, scale: float, deterministic: bool, kernel: str = ""):
+    """(dq, dk, dv) from the forward's inputs, output and log-sum-exp; P is recomputed. `kernel`
+    is the forward's spec (canonical text, or ""): the backward compiles for its target."""
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    kernels = _backward_kernels(q, causal, deterministic)
-    q, k, v, o, d_o = (_aligned(t) for t in (q, k, v, o, d_o))
-    padded_q = -(-seqlen_q // STATS_PAD) * STATS_PAD
-    delta = torch.empty((batch, heads, padded_q), dtype=torch.float32, device=q.device)
-    lse_log2 = torch.empty_like(delta)
-    kernels[0].backward_prep(o, d_o, lse.contiguous(), delta, lse_log2)
-    if d_lse is not None:  # d lse_i / d s_ij = p_ij: it enters dS exactly like -delta
-        delta[..., :seqlen_q] -= d_lse
-    dq_accum = None if deterministic else torch.zeros((batch, heads, seqlen_q, head_dim), dtype=torch.float32, device=q.device)
-    for kernel in kernels:
-        kernel.backward(q, k, v, d_o, lse_log2, delta, dk, dv, dq if kernel.spec.kind == "bwd_q" else dq_accum, scale)
-    if dq_accum is not None:
-        dq.copy_(dq_accum)
+    device = q.get_device()
+    plan = plans.backward(device, q.shape[3], q.dtype, causal, deterministic, kernel)
+    values = {name: _aligned(t) for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("d_o", d_o))}
+    values.update(lse=lse.contiguous(), d_lse=None if d_lse is None else d_lse.contiguous(), dq=dq, dk=dk, dv=dv, scale=scale)
+    plan.run(device, values)
     return dq, dk, dv
 
 
@@ -144,21 +79,22 @@ def _attention_fwd_fake(q, k, v, causal, scale, kernel, deterministic):
 def attention_bwd(
     d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
     lse: torch.Tensor, d_lse: torch.Tensor | None, causal: bool, scale: float, deterministic: bool,
+    kernel: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) from the forward's inputs, output and log-sum-exp; P is recomputed."""
-    return backward_impl(d_o, q, k, v, o, lse, d_lse, causal, scale, deterministic)
+    return backward_impl(d_o, q, k, v, o, lse, d_lse, causal, scale, deterministic, kernel)
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(d_o, q, k, v, o, lse, d_lse, causal, scale, deterministic):
+def _attention_bwd_fake(d_o, q, k, v, o, lse, d_lse, causal, scale, deterministic, kernel):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, _kernel, deterministic = inputs
+    q, k, v, causal, scale, kernel, deterministic = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)
-    ctx.causal, ctx.scale, ctx.deterministic = causal, scale, deterministic
+    ctx.causal, ctx.scale, ctx.kernel, ctx.deterministic = causal, scale, kernel, deterministic
     ctx.set_materialize_grads(False)  # an unused lse then costs nothing in the backward
 
 
@@ -166,7 +102,7 @@ def _backward(ctx, d_o, d_lse, backward=attention_bwd):
     q, k, v, o, lse = ctx.saved_tensors
     if d_o is None:
         d_o = torch.zeros_like(o)
-    dq, dk, dv = backward(d_o, q, k, v, o, lse, d_lse, ctx.causal, ctx.scale, ctx.deterministic)
+    dq, dk, dv = backward(d_o, q, k, v, o, lse, d_lse, ctx.causal, ctx.scale, ctx.deterministic, ctx.kernel)
     return dq, dk, dv, None, None, None, None
 
 
@@ -254,7 +190,7 @@ def check_inputs(q, k, v) -> None:
             f"q, k, v must have the same head_dim; got q {head_dim}, k {k.shape[3]}, v {v.shape[3]}"
         )
     if head_dim % 8 or not 8 <= head_dim <= 256:
-        raise ValueError(f"head_dim={head_dim} is not supported: it must be a multiple of 8 in [8, 256]")
+        raise ValueError(f"head_dim={head_dim} is not supported: it must be {HEAD_DIM_RULE}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(
@@ -295,11 +231,25 @@ def attention(
     differ in its last bits from run to run (dk and dv never do); deterministic=True computes dq in
     a separate pass instead, which costs some speed and gives bitwise-identical gradients.
     """
+    return call(q, k, v, causal, scale, return_lse, deterministic)
+
+
+def call(q, k, v, causal, scale, return_lse, deterministic, spec: KernelSpec | None = None):
+    """attention() with, optionally, the forward kernel fixed to `spec` (a prebuilt kernel's):
+    the one path every public entry point takes."""
     if isinstance(q, torch.Tensor) and q.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
         dtype = torch.get_autocast_dtype("cuda")  # under autocast, like SDPA: fp32 in, autocast dtype
         q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
     check_inputs(q, k, v)
+    kernel = ""
+    if spec is not None:
+        if q.shape[-1] != spec.head_dim or DTYPES[q.dtype] != spec.dtype:
+            raise ValueError(
+                f"{spec.name} takes head_dim={spec.head_dim} {spec.dtype}; got head_dim="
+                f"{q.shape[-1]} {DTYPES[q.dtype]}"
+            )
+        kernel = spec.canonical()
     o, lse = run_attention(
-        q, k, v, bool(causal), softmax_scale(scale, q.shape[-1]), "", bool(deterministic), need_lse=bool(return_lse)
+        q, k, v, bool(causal), softmax_scale(scale, q.shape[-1]), kernel, bool(deterministic), need_lse=bool(return_lse)
     )
     return (o, lse) if return_lse else o

@@ -176,13 +176,11 @@ def host_overhead_us(calls: int = HOST_CALLS, rounds: int = HOST_ROUNDS) -> dict
 
 _WARM_LOAD = r"""
 import time, torch, flashgen
-from flashgen.cache import default_cache
-from flashgen.runtime import Kernel
-spec = flashgen.KernelSpec.from_name({name!r})
+from flashgen import kernels
+spec = flashgen.KernelSpec.from_json({canonical!r})
 torch.zeros(1, device="cuda")  # a CUDA context exists, as in any program that has GPU tensors
 start = time.perf_counter()
-kernel = Kernel(spec, default_cache().get(spec).cubin)
-kernel.function(0)
+kernels.get(spec).function(0)
 print((time.perf_counter() - start) * 1e3)
 """
 
@@ -198,7 +196,7 @@ def compile_and_load_times(spec=None) -> dict:
         KernelCache(root).get(spec)
         cold = time.perf_counter() - start
         env = {**os.environ, "FLASHGEN_CACHE_DIR": root}
-        code = _WARM_LOAD.format(name=spec.name)
+        code = _WARM_LOAD.format(canonical=spec.canonical())
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         warm_ms = float(out.stdout.strip().splitlines()[-1])
     return {"spec": spec.name, "cold_compile_s": cold, "warm_load_ms": warm_ms}

@@ -19,13 +19,13 @@ import shutil
 import stat
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import filelock
 
 from . import __version__
-from .compile import Resources, compile_options, compile_source, nvrtc_version
+from .compile import Resources, compile_options, compile_source, jit_disabled, no_jit_error, nvrtc_version
 from .render import render
 from .spec import ARCHS, KernelSpec
 
@@ -44,9 +44,9 @@ class Artifact:
 
     spec: KernelSpec
     key: str
-    cubin: bytes
+    cubin: bytes = field(repr=False)
     resources: Resources
-    meta: dict
+    meta: dict = field(repr=False)
     path: Path | None = None  # the entry directory or meta file it was read from
 
 
@@ -118,30 +118,31 @@ def private_dir(path: Path) -> Path:
 
 
 class KernelCache:
-    """Disk cache of compiled kernels with an in-process dict in front."""
+    """Disk cache of compiled kernels. The in-process memo of loaded kernels (flashgen.kernels)
+    stands in front of it, so a warm call never reaches here."""
 
     def __init__(self, root: Path | None = None):
         self.root = Path(root) if root else cache_root()
-        self._memory: dict[KernelSpec, Artifact] = {}
 
-    def get(self, spec: KernelSpec) -> Artifact:
-        """The compiled kernel for `spec`: from memory, from disk, or built now (once, under a lock)."""
-        artifact = self._memory.get(spec)
-        if artifact is None:
-            artifact = self._memory[spec] = self._load_or_build(spec)
-        return artifact
+    def __repr__(self) -> str:
+        return f"KernelCache({str(self.root)!r})"
 
-    def _load_or_build(self, spec: KernelSpec) -> Artifact:
+    def get(self, spec: KernelSpec, *, ahead_of_time: bool = False) -> Artifact:
+        """The compiled kernel for `spec`: from disk, or built now (once, under a lock). With
+        FLASHGEN_NO_JIT set only `ahead_of_time` builds compile; others raise NoJitError."""
         source = render(spec)
         key = content_key(spec, source)
+        entry_name = f"{spec.name}-{key[:16]}"
+        if jit_disabled() and not ahead_of_time and not (self.root / __version__ / spec.arch / entry_name / META).exists():
+            raise no_jit_error(spec)  # before anything is created on disk
         parent = private_dir(private_dir(private_dir(self.root) / __version__) / spec.arch)
-        entry = parent / f"{spec.name}-{key[:16]}"
+        entry = parent / entry_name
         artifact = self.load(entry, spec, key)
         if artifact is None:
             with filelock.FileLock(str(parent / f"{entry.name}.lock"), mode=0o600):
                 artifact = self.load(entry, spec, key)  # someone may have built it while we waited
                 if artifact is None:
-                    artifact = self._build(entry, spec, key, source)
+                    artifact = self._build(entry, spec, key, source, ahead_of_time)
         return artifact
 
     @staticmethod
@@ -166,14 +167,15 @@ class KernelCache:
         return None
 
     @staticmethod
-    def _build(entry: Path, spec: KernelSpec, key: str, source: str) -> Artifact:
+    def _build(entry: Path, spec: KernelSpec, key: str, source: str, ahead_of_time: bool) -> Artifact:
         private_dir(entry)
         (entry / META).unlink(missing_ok=True)  # the entry is incomplete until meta.json returns
         write_atomic(entry / SOURCE, source.encode())  # saved first: compile errors point at it
         started = time.perf_counter()
-        binary = compile_source(spec, source, entry / SOURCE)
+        binary = compile_source(spec, source, entry / SOURCE, ahead_of_time=ahead_of_time)
         meta = {
             "name": spec.name,
+            "ident": spec.ident,
             "spec": json.loads(spec.canonical()),
             "key": key,
             "cubin_bytes": len(binary.cubin),
@@ -218,7 +220,6 @@ class KernelCache:
                     shutil.rmtree(arch_dir)
                     if not any(version_dir.iterdir()):
                         version_dir.rmdir()
-        self._memory.clear()
         return count
 
 

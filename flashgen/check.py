@@ -1,38 +1,67 @@
-"""`python -m flashgen.check`: compile a kernel and, on a GPU, check it against PyTorch SDPA.
+"""`python -m flashgen.check [FOLDER]`: check the kernels `flashgen build` wrote into FOLDER
+(generated/ by default).
 
-Without a GPU it compiles (NVRTC needs none) and prints what ptxas reports; with one it runs the
-forward and backward on random inputs and holds both to the fp32 reference by FlashAttention's
-rule, next to F.scaled_dot_product_attention.
+Without a GPU it loads each one as a deployment would (checksums, specs, the backward kernels built
+with it; nothing is compiled) and says so; with one it also runs each forward and backward on
+random inputs and holds them to the fp32 reference by FlashAttention's rule, next to
+F.scaled_dot_product_attention.
 """
 
 from __future__ import annotations
 
 import sys
-
-import torch
-import torch.nn.functional as F
-
-from . import attention, tuning
-from .cache import default_cache
-from .reference import naive_attention
+from pathlib import Path
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    folder = Path(args[0] if args else "generated")
+    from .aot import load
+
+    try:
+        kernels = load(folder)
+    except (OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    import torch
+
     gpu = torch.cuda.is_available()
-    arch = tuning_arch() if gpu else "sm_90a"
-    spec = tuning.forward_spec(64, "bf16", True, arch, seqlen_q=1024)
-    artifact = default_cache().get(spec)
-    print(f"{spec.name}: {artifact.resources}, cached at {artifact.path}")
+    ok = True
+    for name, kernel in kernels.items():
+        spec = kernel.spec
+        companions = ", ".join(kernel.meta.get("backward", [])) or "none"
+        print(f"{name}: loaded from {kernel.path} ({kernel.resources.registers} registers; backward: {companions})")
+        if not gpu:
+            continue
+        try:
+            ok &= _check(kernel, torch)
+        except (RuntimeError, ValueError) as error:  # NoJitError, CacheError, CompileError, CudaError
+            print(f"error: {error}", file=sys.stderr)
+            ok = False
     if not gpu:
-        print("no CUDA GPU visible: compiled only; attention() needs an NVIDIA GPU (sm_80 or newer)")
+        print("no CUDA GPU visible: the kernels load; run this on an NVIDIA GPU (sm_80 or newer) to check their results")
         return 0
-    q, k, v = (torch.randn(2, 8, 1024, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    d_o = torch.randn_like(q)
+    print("check passed" if ok else "check FAILED")
+    return 0 if ok else 1
+
+
+def _check(kernel, torch) -> bool:
+    """Forward and backward of one prebuilt kernel against the fp32 reference (and SDPA)."""
+    import torch.nn.functional as F
+
+    from .reference import naive_attention
+
+    spec = kernel.spec
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[spec.dtype]
+    generator = torch.Generator(device="cuda").manual_seed(20261202)
+    q, k, v = (torch.randn(2, 8, 1000, spec.head_dim, device="cuda", dtype=dtype, generator=generator).requires_grad_()
+               for _ in range(3))
+    d_o = torch.randn(q.shape, device="cuda", dtype=dtype, generator=generator)
     runs = {
-        "flashgen": lambda: attention(q, k, v, causal=True),
-        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-        "exact": lambda: naive_attention(q, k, v, causal=True)[0],  # fp32
-        "low": lambda: naive_attention(q, k, v, causal=True, upcast=False)[0],  # bf16
+        "flashgen": lambda: kernel(q, k, v),
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=spec.causal),
+        "exact": lambda: naive_attention(q, k, v, causal=spec.causal)[0],  # fp32
+        "low": lambda: naive_attention(q, k, v, causal=spec.causal, upcast=False)[0],  # input dtype
     }
     results = {}
     for name, fn in runs.items():
@@ -46,17 +75,10 @@ def main() -> int:
     for i, label in enumerate(("out", "dq", "dk", "dv")):
         err = (ours[i] - exact[i]).abs().max().item()
         bound = (2 if i == 0 else 3) * (low[i] - exact[i]).abs().max().item() + 1e-5
-        vs_sdpa = (ours[i] - sdpa[i]).abs().max().item()
         ok &= err <= bound
-        print(f"{label}: max |flashgen - fp32 ref| = {err:.2e} (bound {bound:.2e}), |flashgen - sdpa| = {vs_sdpa:.2e}")
-    print("check passed" if ok else "check FAILED")
-    return 0 if ok else 1
-
-
-def tuning_arch() -> str:
-    from .api import device_arch
-
-    return device_arch(torch.cuda.current_device())
+        print(f"  {label}: max |flashgen - fp32 ref| = {err:.2e} (bound {bound:.2e}), "
+              f"|flashgen - sdpa| = {(ours[i] - sdpa[i]).abs().max().item():.2e}")
+    return ok
 
 
 if __name__ == "__main__":

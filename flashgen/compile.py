@@ -6,6 +6,7 @@ may be older than the NVRTC wheel, and could not JIT newer PTX. Compiling needs 
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib.metadata
 import os
@@ -14,6 +15,28 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .spec import KernelSpec
+
+
+class NoJitError(RuntimeError):
+    """FLASHGEN_NO_JIT is set and a kernel that is not prebuilt was asked for."""
+
+
+def jit_disabled() -> bool:
+    """FLASHGEN_NO_JIT: 1/true/yes/on means no code path may compile (only `flashgen build` does,
+    which is its job); unset, empty or 0/false/no/off means kernels compile on first use."""
+    value = os.environ.get("FLASHGEN_NO_JIT", "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"FLASHGEN_NO_JIT={value!r}: must be 1, true, yes or on (never compile), or 0, false, no, off or empty")
+
+
+def no_jit_error(spec: KernelSpec) -> NoJitError:
+    return NoJitError(
+        f"kernel {spec.name} is not prebuilt and FLASHGEN_NO_JIT is set: build it with "
+        f"`flashgen build` and load it with flashgen.load(), or unset FLASHGEN_NO_JIT"
+    )
 
 
 class CompileError(RuntimeError):
@@ -86,8 +109,12 @@ def compile_options(spec: KernelSpec) -> list[str]:
     return options
 
 
-def compile_source(spec: KernelSpec, source: str, source_path: Path | None = None) -> Binary:
-    """NVRTC source -> CUBIN for spec.arch. Raises CompileError with the log on failure."""
+def compile_source(spec: KernelSpec, source: str, source_path: Path | None = None, *,
+                   ahead_of_time: bool = False) -> Binary:
+    """NVRTC source -> CUBIN for spec.arch. Raises CompileError with the log on failure, and
+    NoJitError when FLASHGEN_NO_JIT forbids compiling (unless building ahead of time)."""
+    if jit_disabled() and not ahead_of_time:
+        raise no_jit_error(spec)
     nvrtc = _nvrtc()
     options = compile_options(spec)
     filename = str(source_path) if source_path else f"{spec.name}.cu"
@@ -99,10 +126,44 @@ def compile_source(spec: KernelSpec, source: str, source_path: Path | None = Non
             log = nvrtc.getProgramLog(program) or str(error)
             raise CompileError(spec.name, log, options, source_path) from None
         log = nvrtc.getProgramLog(program)
-        cubin = nvrtc.getCUBIN(program)
+        cubin = _cubin(nvrtc, program)
     finally:
         nvrtc.destroyProgram(program)
     return Binary(cubin=cubin, resources=parse_resources(log, spec.name), log=log, options=tuple(options))
+
+
+def _cubin(nvrtc, program) -> bytes:
+    """The program's whole CUBIN. CuPy's getCUBIN drops its last byte (it reads the buffer like a
+    C string): the driver still loads such a cubin, but cuobjdump and nvdisasm refuse it. So the
+    bytes come from the libnvrtc CuPy has loaded, by its soname."""
+    lib = ctypes.CDLL(f"libnvrtc.so.{nvrtc.getVersion()[0]}")
+    handle, size = ctypes.c_void_p(program), ctypes.c_size_t()
+    if lib.nvrtcGetCUBINSize(handle, ctypes.byref(size)):
+        raise RuntimeError("nvrtcGetCUBINSize failed")
+    buffer = ctypes.create_string_buffer(size.value)
+    if lib.nvrtcGetCUBIN(handle, buffer):
+        raise RuntimeError("nvrtcGetCUBIN failed")
+    return buffer.raw
+
+
+def compile_ptx(spec: KernelSpec, source: str) -> bytes:
+    """NVRTC source -> PTX for spec.arch's virtual target (compute_80 for sm_80). Only for running
+    one target's code on a newer GPU, whose driver compiles the PTX when it loads it (the GPU tier
+    runs the sm_80 kernels on Hopper this way); flashgen itself ships and runs CUBINs only."""
+    if jit_disabled():
+        raise no_jit_error(spec)
+    nvrtc = _nvrtc()
+    options = [f"-arch={spec.arch.replace('sm_', 'compute_')}", "-std=c++17", "-default-device"]
+    program = nvrtc.createProgram(source, f"{spec.name}.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(program, options)
+        except nvrtc.NVRTCError as error:
+            raise CompileError(spec.name, nvrtc.getProgramLog(program) or str(error), options, None) from None
+        ptx = nvrtc.getPTX(program)
+    finally:
+        nvrtc.destroyProgram(program)
+    return ptx.encode() if isinstance(ptx, str) else ptx
 
 
 def parse_resources(log: str, function: str | None = None) -> Resources:

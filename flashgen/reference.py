@@ -2,7 +2,7 @@
 
 `naive_attention` materializes the scores (fine for tests, never for real lengths).
 `tiled_attention` is the executable form of the kernel's algorithm: it walks the same query-tile x
-key-tile schedule (key tiles from last to first, tiles past the causal diagonal skipped) and keeps
+key-tile schedule (key tiles from last to first, tiles no row sees skipped, as `key_tiles` says) and keeps
 the running (m, l, o) state per row, rescaling when a new maximum appears. It can record the state
 after every tile, which is what a reader steps through to see the algorithm work.
 """
@@ -63,15 +63,21 @@ class TileState:
     o: torch.Tensor  # (..., rows, d) running sum of exp(score - m) * v, not yet divided by l
 
 
+def key_tiles(m0: int, block_m: int, block_n: int, seqlen_q: int, seqlen_k: int, causal: bool) -> range:
+    """The key tiles the query tile at rows [m0, m0 + block_m) visits: the mirror of Mask's
+    key_begin and key_end in templates/mask.cuh.j2 (tiles no row of the tile sees are skipped)."""
+    end = math.ceil(seqlen_k / block_n)
+    if causal:
+        last_key = min(m0 + block_m, seqlen_q) - 1 + seqlen_k - seqlen_q  # of the tile's last row
+        end = 0 if last_key < 0 else min(end, last_key // block_n + 1)
+    return range(0, end)
+
+
 def tile_schedule(seqlen_q, seqlen_k, block_m, block_n, causal):
-    """The kernel's schedule: for each query tile, the key tiles it visits, in the kernel's order."""
+    """The kernel's schedule: for each query tile, the key tiles it visits, in the kernel's order
+    (last to first)."""
     for m_block in range(math.ceil(seqlen_q / block_m)):
-        n_tiles = math.ceil(seqlen_k / block_n)
-        if causal:
-            last_row = min((m_block + 1) * block_m, seqlen_q) - 1
-            last_key = last_row + seqlen_k - seqlen_q
-            n_tiles = 0 if last_key < 0 else min(n_tiles, last_key // block_n + 1)
-        yield m_block, list(reversed(range(n_tiles)))
+        yield m_block, list(reversed(key_tiles(m_block * block_m, block_m, block_n, seqlen_q, seqlen_k, causal)))
 
 
 def tiled_attention(q, k, v, causal=False, scale=None, block_m=64, block_n=64, record=None):

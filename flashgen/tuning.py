@@ -6,7 +6,7 @@ memory differs between sm_80, sm_86 and sm_90) wins.
 
 from __future__ import annotations
 
-from .spec import KernelSpec, SpecError
+from .spec import KernelSpec, SpecError, check_head_dim
 
 # (largest head_dim, causal) -> [(block_m, block_n, num_warps, num_stages), ...] best first
 FORWARD_TABLE = {
@@ -20,6 +20,12 @@ FORWARD_TABLE = {
 # Ampere and Ada (sm_8x) hold fewer registers' worth of these tiles before ptxas spills.
 FORWARD_TABLE_SM8X = {**FORWARD_TABLE, (128, True): [(64, 64, 4, 2)]}
 SHORT_QUERY = 64  # at or below this many query rows, 64-row blocks waste less work
+
+
+def query_bucket(seqlen_q: int) -> bool:
+    """The forward table's bucket of a query length: whether it counts as short. Everything that
+    keeps a choice per problem keys it by this."""
+    return seqlen_q <= SHORT_QUERY
 
 # Backward: which kernels run. Up to head_dim 128 one key-major kernel keeps dK and dV in registers
 # together; above, dV and dK take separate passes so that each fits.
@@ -55,10 +61,14 @@ def _bound(head_dim: int) -> int:
 
 
 def _first_valid(candidates, kind, head_dim, dtype, causal, arch) -> KernelSpec:
+    check_head_dim(head_dim)  # a bad head dim is the problem, not the tiles
     error = None
     for block_m, block_n, num_warps, num_stages in candidates:
         try:
-            return KernelSpec(head_dim, block_m, block_n, dtype, causal, num_warps, num_stages, arch, kind)
+            return KernelSpec(
+                head_dim=head_dim, block_m=block_m, block_n=block_n, dtype=dtype, causal=causal,
+                num_warps=num_warps, num_stages=num_stages, arch=arch, kind=kind,
+            )
         except SpecError as rejected:
             error = rejected
     raise SpecError(f"no {kind} tile shape fits head_dim={head_dim} on {arch}: {error}")
@@ -67,7 +77,7 @@ def _first_valid(candidates, kind, head_dim, dtype, causal, arch) -> KernelSpec:
 def forward_spec(head_dim: int, dtype: str, causal: bool, arch: str, seqlen_q: int) -> KernelSpec:
     table = FORWARD_TABLE_SM8X if arch.startswith("sm_8") else FORWARD_TABLE
     candidates = table[(_bound(head_dim), causal)]
-    if seqlen_q <= SHORT_QUERY:
+    if query_bucket(seqlen_q):
         candidates = [c for c in candidates if c[0] == 64] + candidates
     return _first_valid(candidates, "fwd", head_dim, dtype, causal, arch)
 
@@ -76,13 +86,15 @@ def tuned_spec(kind: str, head_dim: int, dtype: str, causal: bool, arch: str) ->
     """The table's spec of any kind (the forward's for long sequences)."""
     if kind == "fwd":
         return forward_spec(head_dim, dtype, causal, arch, seqlen_q=4096)
+    if kind == "bwd_prep":
+        return backward_prep(head_dim, dtype, arch)
     table = BACKWARD_TABLE_SM8X if arch.startswith("sm_8") else BACKWARD_TABLE
     major = "query" if kind == "bwd_q" else "key"
     return _first_valid(table[(major, _bound(head_dim), causal)], kind, head_dim, dtype, causal, arch)
 
 
 def backward_specs(head_dim: int, dtype: str, causal: bool, arch: str, deterministic: bool) -> list[KernelSpec]:
-    """The backward kernels to run, in order; the first one also runs the prep (delta) kernel."""
+    """The backward kernels to run after the prep, in order."""
     kinds = BACKWARD_KINDS[(128 if head_dim <= 128 else 256, deterministic)]
     return [tuned_spec(kind, head_dim, dtype, causal, arch) for kind in kinds]
 
@@ -90,14 +102,19 @@ def backward_specs(head_dim: int, dtype: str, causal: bool, arch: str, determini
 TEST_HEAD_DIMS = (32, 40, 64, 80, 96, 128, 192, 256)
 
 
+def backward_prep(head_dim: int, dtype: str, arch: str) -> KernelSpec:
+    return KernelSpec(head_dim=head_dim, dtype=dtype, arch=arch, kind="bwd_prep")
+
+
 def shipped_specs(arch: str, head_dims=TEST_HEAD_DIMS) -> list[KernelSpec]:
     """Every spec the tables pick on `arch` for these head dims, both dtypes and masks: forward,
-    and backward in both modes."""
+    and backward (with its prep) in both modes."""
     specs = []
     for head_dim in head_dims:
         for dtype in ("bf16", "fp16"):
             for causal in (False, True):
                 picked = [forward_spec(head_dim, dtype, causal, arch, t) for t in (SHORT_QUERY, SHORT_QUERY + 1)]
+                picked.append(backward_prep(head_dim, dtype, arch))
                 for deterministic in (False, True):
                     picked += backward_specs(head_dim, dtype, causal, arch, deterministic)
                 specs += [spec for spec in dict.fromkeys(picked) if spec not in specs]

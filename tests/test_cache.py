@@ -24,9 +24,9 @@ def compiles(monkeypatch):
     calls = []
     real = flashgen.cache.compile_source
 
-    def counting(spec, source, source_path=None):
+    def counting(spec, source, source_path=None, **options):
         calls.append(spec)
-        return real(spec, source, source_path)
+        return real(spec, source, source_path, **options)
 
     monkeypatch.setattr(flashgen.cache, "compile_source", counting)
     return calls
@@ -45,10 +45,21 @@ def test_builds_once(root, compiles):
     cache = KernelCache(root)
     first = cache.get(SPEC)
     assert len(compiles) == 1
-    assert cache.get(SPEC) is first  # the in-process dict
     again = KernelCache(root).get(SPEC)  # a new process would start here: from disk
     assert len(compiles) == 1
     assert again is not first and again.cubin == first.cubin and again.key == first.key
+
+
+def test_one_memo_of_loaded_kernels_stands_in_front_of_the_cache(root, monkeypatch):
+    from flashgen import kernels
+
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(root))
+    monkeypatch.setattr(kernels, "_loaded", {})
+    reads = []
+    real = KernelCache.get
+    monkeypatch.setattr(KernelCache, "get", lambda self, spec, **kw: reads.append(spec) or real(self, spec, **kw))
+    kernel = kernels.get(SPEC)
+    assert kernels.get(SPEC) is kernel and reads == [SPEC]  # the second call never reaches the cache
 
 
 def test_entry_layout_and_modes(root):
@@ -68,7 +79,7 @@ def test_entry_layout_and_modes(root):
 def test_failed_build_leaves_no_entry(root, monkeypatch):
     real = flashgen.cache.compile_source
 
-    def broken(spec, source, source_path=None):
+    def broken(spec, source, source_path=None, **options):
         raise RuntimeError("compiler crashed")
 
     monkeypatch.setattr(flashgen.cache, "compile_source", broken)
@@ -142,7 +153,7 @@ def compile_worker(root, log_path, out_path, barrier):
 
     real = flashgen.cache.compile_source
 
-    def logged(spec, source, source_path=None):
+    def logged(spec, source, source_path=None, **options):
         with open(log_path, "a") as log:
             log.write(f"{os.getpid()}\n")
         return real(spec, source, source_path)
@@ -193,3 +204,54 @@ def test_clear_leaves_other_files_alone(root):
     assert (root / "notes" / "keep.txt").read_text() == "mine"
     assert (root / flashgen.__version__ / "README").read_text() == "mine too"
     assert not (root / flashgen.__version__ / SPEC.arch).exists()
+
+
+@pytest.mark.parametrize("value", ["1", "true", "YES", "on"])
+def test_no_jit_refuses_to_compile_and_writes_nothing(root, compiles, monkeypatch, value):
+    monkeypatch.setenv("FLASHGEN_NO_JIT", value)
+    with pytest.raises(flashgen.NoJitError, match=f"{SPEC.name} is not prebuilt and FLASHGEN_NO_JIT is set"):
+        KernelCache(root).get(SPEC)
+    assert compiles == [] and not root.exists()
+    KernelCache(root).get(SPEC, ahead_of_time=True)  # `flashgen build` compiles: that is its job
+    assert compiles == [SPEC]
+    assert KernelCache(root).get(SPEC).cubin  # a kernel already compiled loads: nothing compiles
+
+
+@pytest.mark.parametrize("value", ["", "0", "false", "No", "off"])
+def test_no_jit_off_values_compile(root, compiles, monkeypatch, value):
+    monkeypatch.setenv("FLASHGEN_NO_JIT", value)
+    KernelCache(root).get(SPEC)
+    assert compiles == [SPEC]
+
+
+def test_no_jit_with_a_value_it_does_not_know_is_an_error(root, monkeypatch):
+    monkeypatch.setenv("FLASHGEN_NO_JIT", "maybe")
+    with pytest.raises(ValueError, match="FLASHGEN_NO_JIT='maybe': must be"):
+        KernelCache(root).get(SPEC)
+
+
+def test_no_jit_covers_the_compiler_itself(monkeypatch):
+    from flashgen.compile import compile_ptx, compile_source
+    from flashgen.render import render
+
+    monkeypatch.setenv("FLASHGEN_NO_JIT", "1")
+    for compile_ in (compile_source, compile_ptx):
+        with pytest.raises(flashgen.NoJitError):
+            compile_(SPEC, render(SPEC))
+
+
+def test_repr_of_an_artifact_leaves_out_the_cubin(root):
+    artifact = KernelCache(root).get(SPEC)
+    text = repr(artifact)
+    assert SPEC.name in text and len(text) < 1000 and "cubin" not in text
+
+
+def test_cubins_are_whole_elf_files(root):
+    """NVRTC's bytes, all of them: the section and program headers end inside the file (CuPy's
+    getCUBIN drops the last byte, which the driver tolerates but cuobjdump does not)."""
+    import struct
+
+    cubin = KernelCache(root).get(SPEC).cubin
+    phoff, shoff = struct.unpack_from("<QQ", cubin, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", cubin, 0x36)
+    assert len(cubin) >= max(phoff + phentsize * phnum, shoff + shentsize * shnum)

@@ -1,20 +1,22 @@
-"""The `flashgen` command through click's CliRunner; the build folder it writes loads with no GPU."""
+"""The `flashgen` command through click's CliRunner (and, where a fresh process matters, for real);
+the build folder it writes loads, and checks, with no GPU."""
 
 import importlib.util
+import os
+import stat
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
-from rich.console import Console
 
 import flashgen
-from flashgen import aot, tuning
+from flashgen import aot, cli, tuning
 from flashgen.spec import KernelSpec
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # cli.py lives at the repo root
-import cli  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def tuned(head_dim, causal=False):
@@ -22,23 +24,17 @@ def tuned(head_dim, causal=False):
     return tuning.forward_spec(head_dim, "bf16", causal, "sm_90a", seqlen_q=4096)
 
 
-D64 = tuned(64).replace(block_m=128)  # what `build --d 64 --block 128` picks
+D64 = tuned(64, causal=True)  # what `build --d 64 --causal` picks
 
 
-@pytest.fixture(autouse=True)
-def wide_console(monkeypatch):
-    """rich wraps at 80 columns when not on a terminal; a wide console keeps each line whole."""
-    monkeypatch.setattr(cli, "console", Console(width=250))
-
-
-def run(*args):
-    return CliRunner().invoke(cli.main, [str(a) for a in args])
+def run(*args, env=None):
+    return CliRunner().invoke(cli.main, [str(a) for a in args], env=env)
 
 
 @pytest.fixture(scope="module")
 def gen(tmp_path_factory):
     out = tmp_path_factory.mktemp("cli") / "gen"
-    result = run("build", "--d", 64, "--block", 128, "--no-backward", "--out", out)
+    result = run("build", "--d", 64, "--causal", "--out", out)
     assert result.exit_code == 0, result.output
     return out
 
@@ -46,13 +42,24 @@ def gen(tmp_path_factory):
 def test_build_writes_an_importable_folder(gen):
     name = D64.name
     assert {p.name for p in gen.iterdir()} >= {f"{name}{ext}" for ext in (".cu", ".cubin", ".json", ".py")} | {"__init__.py"}
-    assert f'extern "C" __global__' in (gen / f"{name}.cu").read_text()
+    assert 'extern "C" __global__' in (gen / f"{name}.cu").read_text()
     assert (gen / f"{name}.cubin").read_bytes().startswith(b"\x7fELF")
 
 
-def test_list_shows_the_kernel(gen):
-    result = run("list", "--out", gen)
-    assert result.exit_code == 0 and D64.name in result.output
+def test_built_files_are_readable_by_everyone(gen):
+    for path in gen.iterdir():
+        if path.is_file():
+            assert stat.S_IMODE(path.stat().st_mode) & 0o044 == 0o044, path.name  # a deployment folder
+
+
+def test_build_and_list_print_whole_names(gen):
+    """Names are what `import <folder>.<name>` takes: never cut, also in a pipe of 80 columns."""
+    names = [meta["name"] for meta in aot.built(gen)]
+    for result in (run("list", "--out", gen), run("build", "--d", 64, "--causal", "--out", gen)):
+        assert result.exit_code == 0, result.output
+        assert "…" not in result.stdout
+        for name in names:
+            assert f"  {name}  " in result.stdout
 
 
 def test_list_of_an_empty_folder(tmp_path):
@@ -74,17 +81,14 @@ def test_build_every_combination_in_parallel(tmp_path):
     assert all(m["backward"] == [] for m in metas)
 
 
-def test_build_includes_the_backward_kernels_by_default(tmp_path):
-    out = tmp_path / "gen"
-    result = run("build", "--d", "64", "--causal", "--out", out)
-    assert result.exit_code == 0, result.output
-    metas = {m["name"]: m for m in aot.built(out)}
+def test_build_includes_the_backward_kernels_by_default(gen):
+    metas = {m["name"]: m for m in aot.built(gen)}
     (forward,) = [m for m in metas.values() if m["spec"]["kind"] == "fwd"]
-    backward = forward["backward"]
-    assert {KernelSpec.from_name(name).kind for name in backward} == {"bwd_kvq", "bwd_kv", "bwd_q"}
-    assert set(backward) | {forward["name"]} == set(metas)
-    assert all(KernelSpec.from_name(name).causal for name in backward)
-    assert not (out / f"{backward[0]}.py").exists()  # only forward kernels get an importable module
+    backward = [metas[name]["spec"] for name in forward["backward"]]
+    assert {spec["kind"] for spec in backward} == {"bwd_prep", "bwd_kvq", "bwd_kv", "bwd_q"}
+    assert set(forward["backward"]) | {forward["name"]} == set(metas)
+    assert all(spec["causal"] for spec in backward if spec["kind"] != "bwd_prep")
+    assert not (gen / f"{forward['backward'][0]}.py").exists()  # only forward kernels get an importable module
 
 
 @pytest.mark.parametrize(
@@ -99,23 +103,38 @@ def test_causal_flags(tmp_path, flags, mask):
     assert mask in meta["name"]
 
 
-def test_bare_causal_as_last_argument(tmp_path):
+def test_bare_causal_as_last_argument():
     result = run("show", "--d", 64, "--causal")
     assert result.exit_code == 0 and "_causal_" in result.output
 
 
+def failed(result, *texts):
+    """A refusal: exit status 1, the message on stderr (not stdout), no traceback."""
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.exception
+    assert all(text in result.stderr for text in texts), result.stderr
+    assert "Traceback" not in result.stderr and "error" not in result.stdout.lower()
+    return True
+
+
 @pytest.mark.parametrize("d", [100, 264])
-def test_bad_head_dim_is_named(tmp_path, d):
+def test_bad_head_dim_is_named_as_the_problem(tmp_path, d):
     result = run("build", "--d", d, "--out", tmp_path / "gen")
-    assert result.exit_code != 0
-    assert f"head_dim={d}" in result.output
+    assert failed(result, f"head_dim={d}: must be a multiple of 8 in [8, 256]")
+    assert "tile" not in result.stderr  # the head dim is the problem, not the tile shapes
     assert not (tmp_path / "gen").exists()
 
 
-def test_bad_dtype_names_the_allowed_values(tmp_path):
-    result = run("build", "--d", 64, "--dtype", "fp32", "--out", tmp_path / "gen")
-    assert result.exit_code != 0
-    assert "'fp32': must be one of fp16, bf16, both" in result.output
+@pytest.mark.parametrize("args, text", [
+    (["--d", "64,"], "expected integers separated by commas"),
+    (["--d", "0"], "positive integer"),
+    (["--d", "64", "--jobs", "0"], "0 is not in the range x>=1"),
+    (["--d", "64", "--dtype", "fp32"], "'fp32': must be one of fp16, bf16, both"),
+    (["--d", "64", "--causal", "--no-causal"], "contradicts"),
+])
+def test_bad_options_are_refused(tmp_path, args, text):
+    result = run("build", *args, "--out", tmp_path / "gen")
+    assert result.exit_code == 2 and text in result.stderr, result.stderr  # click's usage errors
+    assert not (tmp_path / "gen").exists()
 
 
 def test_show_prints_the_source():
@@ -127,23 +146,29 @@ def test_show_prints_the_source():
 
 
 def test_show_a_backward_kernel():
-    from flashgen import tuning
-
     spec = tuning.tuned_spec("bwd_kvq", 64, "bf16", True, "sm_90a")
     result = run("show", "--d", 64, "--causal", "--kind", "bwd_kvq")
     assert result.exit_code == 0, result.output
-    assert f"{spec.name}_prep(" in result.output and "wgmma.mma_async" in result.output
+    assert f"{spec.name}(" in result.output and "wgmma.mma_async" in result.output
     on_ampere = run("show", "--d", 64, "--kind", "bwd_kvq", "--arch", "sm_80")
     assert on_ampere.exit_code == 0 and "wgmma" not in on_ampere.output and "mma.sync" in on_ampere.output
     explicit = run("show", "--d", 128, "--kind", "bwd_q", "--block", 64, "--block-n", 32)
     assert explicit.exit_code == 0 and "bwd_q_d128_m64_n32_bf16_full_w4_s2_sm90a" in explicit.output
+    prep = run("show", "--d", 96, "--kind", "bwd_prep")
+    assert prep.exit_code == 0 and "bwd_prep_d96_bf16_sm90a(" in prep.output
     assert run("show", "--d", 64, "--kind", "bwd").exit_code != 0  # not a kind
+    assert failed(run("show", "--d", 64, "--kind", "bwd_prep", "--block", 64), "a bwd_prep kernel does not use block_m")
 
 
 def test_show_resources_compiles():
     result = run("show", "--d", 64, "--resources")
     assert result.exit_code == 0, result.output
     assert f"// {tuned(64).name}: " in result.output and '"registers"' in result.output
+
+
+def test_show_resources_respects_no_jit():
+    result = run("show", "--d", 64, "--resources", env={"FLASHGEN_NO_JIT": "1"})
+    assert failed(result, "FLASHGEN_NO_JIT is set")
 
 
 def test_cache_info_and_clear(tmp_path, monkeypatch):
@@ -156,11 +181,17 @@ def test_cache_info_and_clear(tmp_path, monkeypatch):
     assert "0 kernel(s)" in run("cache", "info").output
 
 
+def test_a_cache_directory_others_can_write_is_refused_cleanly(tmp_path):
+    unsafe = tmp_path / "shared"
+    unsafe.mkdir(mode=0o777)
+    os.chmod(unsafe, 0o777)
+    result = run("build", "--d", 32, "--no-backward", "--out", tmp_path / "gen", env={"FLASHGEN_CACHE_DIR": str(unsafe)})
+    assert failed(result, "is writable by other users")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this checks the message on a machine with no GPU")
 def test_bench_without_gpu_fails_clearly():
-    result = run("bench")
-    assert result.exit_code != 0
-    assert "needs an NVIDIA GPU" in result.output
+    assert failed(run("bench"), "needs an NVIDIA GPU")
 
 
 def test_bench_markdown_tables():
@@ -175,19 +206,75 @@ def test_bench_markdown_tables():
     assert "| 64 | yes | 4096 | 250 | 200 | - | 100 | 1.25 | - |" in text
 
 
-def test_doctor():
+def test_doctor_reports_nvrtc_and_the_gpu_situation():
     result = run("doctor")
-    assert result.exit_code == 0 and "NVRTC" in result.output
+    assert result.exit_code == 0 and "NVRTC 13." in result.output
+    assert ("GPU 0:" in result.output) == torch.cuda.is_available()
+
+
+def fresh(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env}, cwd=ROOT)
+
+
+@pytest.mark.parametrize("args", [["--help"], ["show", "--d", "64"], ["list"], ["cache", "info"]])
+def test_commands_that_run_no_kernel_do_not_import_torch(args, tmp_path):
+    code = (
+        "import sys; from flashgen.cli import main\n"
+        f"try:\n    main({args!r})\nexcept SystemExit as done:\n    assert not done.code, done.code\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    result = fresh(code, FLASHGEN_CACHE_DIR=str(tmp_path / "cache"))
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_build_does_not_import_torch(tmp_path):
+    code = (
+        "import sys; from flashgen.cli import main\n"
+        f"try:\n    main(['build', '--d', '32', '--no-backward', '--out', {str(tmp_path / 'gen')!r}])\n"
+        "except SystemExit as done:\n    assert not done.code, done.code\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    result = fresh(code, FLASHGEN_CACHE_DIR=str(tmp_path / "cache"))
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_root_cli_script_runs_the_same_app():
+    result = subprocess.run([sys.executable, "cli.py", "--help"], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0 and "build" in result.stdout and "show" in result.stdout
+
+
+def test_the_package_installs_no_generic_top_level_module():
+    text = (ROOT / "pyproject.toml").read_text()
+    assert "py-modules" not in text and 'flashgen = "flashgen.cli:main"' in text
+
+
+def test_reference_is_reachable_from_the_package():
+    result = fresh("import flashgen; print(flashgen.reference.naive_attention.__name__)")
+    assert result.returncode == 0 and result.stdout.strip() == "naive_attention", result.stderr
 
 
 def test_load_without_gpu(gen):
-    (meta,) = aot.built(gen)
-    assert meta["name"] == D64.name and KernelSpec(**meta["spec"]) == D64
-    for path in (meta["path"], gen / f"{D64.name}.cubin", gen / D64.name):  # .json, .cubin or stem
+    forward = gen / f"{D64.name}.json"
+    for path in (forward, gen / f"{D64.name}.cubin", gen / D64.name):  # .json, .cubin or stem
         kernel = flashgen.load(path)
         assert isinstance(kernel, flashgen.PrebuiltKernel)
-        assert kernel.spec == D64 and kernel.kernel.cubin == (gen / f"{D64.name}.cubin").read_bytes()
-        assert kernel.kernel._functions == {}  # loading to a device waits for the first call
+        assert kernel.spec == D64 and repr(kernel) == f"PrebuiltKernel({D64.name}, {forward})"
+
+
+def test_load_a_folder_gives_its_forward_kernels_by_name(gen):
+    kernels = flashgen.load(gen)
+    assert list(kernels) == [D64.name] and kernels[D64.name].spec == D64
+
+
+def test_load_an_empty_folder_says_what_it_expects(tmp_path):
+    with pytest.raises(FileNotFoundError, match="holds no kernels built by `flashgen build`"):
+        flashgen.load(tmp_path)
+
+
+def test_load_a_backward_piece_alone_says_what_it_is_for(gen):
+    name = next(meta["name"] for meta in aot.built(gen) if meta["spec"]["kind"] == "bwd_kvq")
+    with pytest.raises(ValueError, match=f"{name} is a backward piece \\(bwd_kvq\\): it loads with the forward kernel"):
+        flashgen.load(gen / f"{name}.json")
 
 
 def test_generated_module_imports(gen):
@@ -208,6 +295,31 @@ def test_load_rejects_altered_cubin(gen, tmp_path):
         flashgen.load(tmp_path / f"{D64.name}.json")
 
 
-def test_contradicting_mask_options_are_refused(tmp_path):
-    result = run("build", "--d", 64, "--causal", "--no-causal", "--out", tmp_path / "gen")
-    assert result.exit_code != 0 and "contradicts" in result.output
+def test_check_loads_the_built_kernels_and_never_compiles(gen, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "flashgen.check", str(gen)], capture_output=True, text=True, cwd=ROOT,
+        env={**os.environ, "FLASHGEN_NO_JIT": "1", "FLASHGEN_CACHE_DIR": str(tmp_path / "empty-cache")},
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"{D64.name}: loaded from {gen / D64.name}.json" in result.stdout
+    if not torch.cuda.is_available():
+        assert "no CUDA GPU visible" in result.stdout
+    assert not (tmp_path / "empty-cache").exists()
+
+
+def test_check_of_a_folder_with_nothing_built_fails_cleanly(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "flashgen.check", str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 1 and "flashgen build" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_generated_folder_holds_its_readme_and_loader_and_ignores_builds():
+    """The tracked generated/ package is what a build would write, so building leaves git clean."""
+    assert (ROOT / "generated" / "__init__.py").read_text() == aot.PACKAGE_INIT
+    assert "flashgen build" in (ROOT / "generated" / "README.md").read_text()
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    built = [f"generated/{D64.name}{ext}" for ext in (".cu", ".cubin", ".json", ".py")]
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", *built], capture_output=True, text=True, cwd=ROOT)
+    assert ignored.stdout.split() == built
+    tracked = subprocess.run(["git", "ls-files", "generated"], capture_output=True, text=True, cwd=ROOT).stdout.split()
+    assert tracked == ["generated/README.md", "generated/__init__.py"]

@@ -16,12 +16,12 @@ def test_sweep_covers_both_targets_and_every_kind():
     assert len(set(SHIPPED)) == len(SHIPPED)
     assert {spec.arch for spec in SHIPPED} == {"sm_90a", "sm_80"}
     assert {spec.head_dim for spec in SHIPPED} == set(tuning.TEST_HEAD_DIMS)
-    assert {spec.kind for spec in SHIPPED} == set(flashgen.spec.KINDS)
+    assert {spec.kind for spec in SHIPPED} == set(flashgen.families.KINDS)
 
 
 @pytest.mark.parametrize("spec", SHIPPED, ids=lambda spec: spec.name)
 def test_shipped_spec_compiles_without_spills(spec):
-    binary = compile_source(spec, render(spec))
+    binary = compile_source(spec, render(spec))  # the static_asserts hold: layout and template agree
     assert isinstance(binary.cubin, bytes) and binary.cubin.startswith(b"\x7fELF")
     res = binary.resources
     assert 0 < res.registers <= 255, binary.log
@@ -32,7 +32,7 @@ def test_shipped_spec_compiles_without_spills(spec):
 
 
 def test_compile_error_carries_log_options_and_source(tmp_path):
-    spec = KernelSpec(64)
+    spec = KernelSpec(head_dim=64)
     path = tmp_path / "x.cu"
     with pytest.raises(flashgen.CompileError) as caught:
         compile_source(spec, "this is not cuda", source_path=path)
@@ -78,3 +78,16 @@ def test_parse_resources_without_smem_line_means_zero():
 def test_parse_resources_without_report_raises(log):
     with pytest.raises(ValueError, match="no ptxas resource report"):
         parse_resources(log)
+
+
+@pytest.mark.parametrize("spec", [KernelSpec(head_dim=64), tuning.tuned_spec("bwd_kvq", 64, "bf16", True, "sm_90a")], ids=lambda s: s.name)
+def test_a_layout_that_disagrees_with_the_template_does_not_compile(spec):
+    """The kernel checks its use of shared memory against the family's layout (static_assert):
+    a layout one row short is a compile error, not a kernel that overruns its neighbour."""
+    layout = spec.family.smem(spec)
+    name = layout.regions[1].name.upper()
+    honest = f"SMEM_{name}_BYTES = {layout.regions[1].bytes};"
+    source = render(spec)
+    assert honest in source
+    with pytest.raises(flashgen.CompileError, match="static assertion failed"):
+        compile_source(spec, source.replace(honest, f"SMEM_{name}_BYTES = {layout.regions[1].bytes - 16};"))

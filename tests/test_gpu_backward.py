@@ -18,7 +18,7 @@ SEQLENS = (1, 17, 113, 128, 1000, 1023, 2048)
 
 @pytest.fixture(scope="module", autouse=True)
 def prebuilt(tmp_path_factory):
-    from flashgen.api import device_arch
+    from flashgen.plans import device_arch
 
     flashgen.build(tuning.shipped_specs(device_arch(0)), tmp_path_factory.mktemp("prebuilt"), backward=False)
 
@@ -119,6 +119,13 @@ def test_strided_inputs_and_gradient():
     q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
     d_o = torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     check_gradients(q, k, v, causal=True, d_o=d_o)
+
+
+@pytest.mark.parametrize("batch, heads, kv_heads", [(1, 70_000, 14_000), (70_000, 2, 1)])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_gradients_with_more_than_65535_heads_or_batches(batch, heads, kv_heads, deterministic):
+    q, k, v = make_qkv(batch, heads, kv_heads, 8, 8, 32, torch.bfloat16)
+    check_gradients(q, k, v, causal=True, deterministic=deterministic)
 
 
 def test_gradient_through_lse():

@@ -24,7 +24,7 @@ SEQLENS = (1, 17, 113, 128, 1000, 1023, 2048)
 @pytest.fixture(scope="session", autouse=True)
 def prebuilt(tmp_path_factory):
     """Compile every spec the sweep needs in parallel processes before the tests run."""
-    from flashgen.api import device_arch
+    from flashgen.plans import device_arch
 
     specs = tuning.shipped_specs(device_arch(0))
     flashgen.build(specs, tmp_path_factory.mktemp("prebuilt"))
@@ -124,12 +124,12 @@ def test_output_is_the_same_when_lse_is_not_wanted():
 
 
 def test_empty_inputs_return_empty_without_launch(monkeypatch):
-    from flashgen.runtime import Kernel
+    from flashgen.kernels import Kernel
 
     def no_launch(*args, **kwargs):
         raise AssertionError("an empty input launched a kernel")
 
-    monkeypatch.setattr(Kernel, "forward", no_launch)
+    monkeypatch.setattr(Kernel, "launch", no_launch)
     for shape_q, shape_kv in [((0, 2, 16, 64), (0, 2, 16, 64)), ((1, 2, 0, 64), (1, 2, 16, 64))]:
         q = torch.randn(shape_q, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(shape_kv, device="cuda", dtype=torch.bfloat16)
@@ -203,6 +203,42 @@ def test_prebuilt_module_runs_without_a_compiler(tmp_path):
         print("ok", module.spec.name, err)
     """)
     assert out.startswith("ok")
+
+
+def test_prebuilt_module_casts_fp32_under_autocast_like_attention(tmp_path):
+    """A prebuilt module runs through attention()'s own path: autocast included."""
+    spec = flashgen.KernelSpec(head_dim=64, block_m=128, block_n=64, causal=True)
+    out = run_prebuilt(tmp_path, spec, """
+        q, k, v = (torch.randn(1, 2, 100, 64, device="cuda") for _ in range(3))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = module.attention(q, k, v)
+        ref = naive_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True)[0]
+        assert out.dtype == torch.bfloat16, out.dtype
+        print("ok", (out.float() - ref.float()).abs().max().item())
+    """)
+    assert out.startswith("ok")
+
+
+@pytest.mark.parametrize("batch, heads, kv_heads", [(1, 70_000, 70_000), (1, 70_000, 14_000), (70_000, 1, 1)])
+def test_more_than_65535_heads_or_batches(batch, heads, kv_heads):
+    """A grid's y and z stop at 65,535: such calls run in slices, every head and batch computed."""
+    q, k, v = make_qkv(batch, heads, kv_heads, 8, 8, 32, torch.bfloat16)
+    out, lse = flashgen.attention(q, k, v, causal=True, return_lse=True)
+    check_against_reference(q, k, v, True, out, lse)
+
+
+def test_more_than_2_to_the_31_elements():
+    """Offsets past 2**31 elements: 131,080 heads of 64 x 256 (2**31 + 2**21 elements a tensor);
+    heads beyond the 2**31-th element are checked against the reference one by one."""
+    heads, seqlen, head_dim = 131_080, 64, 256
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (torch.randn(1, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    assert q.numel() > 2**31
+    with torch.no_grad():
+        out, lse = flashgen.attention(q, k, v, return_lse=True)
+        for head in (0, 65_535, 65_536, 131_071, 131_072, heads - 1):
+            one = slice(head, head + 1)
+            check_against_reference(q[:, one], k[:, one], v[:, one], False, out[:, one], lse[:, one])
 
 
 def test_sdpa_agreement_for_equal_lengths():

@@ -1,5 +1,6 @@
-"""The launch path without a GPU: the packed parameter layouts match the rendered kernels'
-signatures, and a launch packs every value in signature order (the driver is stubbed)."""
+"""The launch path without a GPU: each family's parameter list matches what NVRTC compiled (read
+from the PTX), a launch packs every value at its place, launch plans wire kernels and scratch
+buffers together, and grids past 65,535 heads or batches run in slices (the driver is stubbed)."""
 
 import ctypes
 import re
@@ -8,47 +9,49 @@ import struct
 import pytest
 import torch
 
-from flashgen import runtime, tuning
+from flashgen import kernels, plans, runtime, tuning
+from flashgen.compile import compile_ptx
+from flashgen.kernels import Kernel
+from flashgen.params import LOG2E, Params, scalar, tensor, tensormap
 from flashgen.render import render
-from flashgen.runtime import BACKWARD_ARGS, FORWARD_ARGS, LOG2E, PREP_ARGS, Kernel
 from flashgen.spec import KernelSpec
 
-CODES = {"i64": "q", "int": "i", "float": "f"}  # a parameter whose type ends in * is a pointer: P
+ONE_OF_EACH_KIND = [
+    KernelSpec(head_dim=64, causal=True),
+    tuning.backward_prep(96, "fp16", "sm_90a"),
+    *(tuning.tuned_spec(kind, 128, "bf16", True, "sm_90a") for kind in ("bwd_kvq", "bwd_kv", "bwd_q")),
+    *(tuning.tuned_spec(kind, 256, "bf16", False, "sm_90a") for kind in ("bwd_v", "bwd_kq", "bwd_k")),
+    tuning.tuned_spec("bwd_kvq", 64, "bf16", False, "sm_80"),
+]
+PTX_TYPES = {"ptr": ".u64", "i64": ".u64", "int": ".u32", "float": ".f32"}
 
 
-def signature(source: str, function: str) -> str:
-    """The struct codes of a kernel's parameters, in order."""
-    params = re.search(rf"^{function}\((.*?)\)", source, re.M | re.S).group(1)
-    params = re.sub(r"//[^\n]*", "", params)
-    codes = []
-    for param in params.split(","):
-        kind = param.rsplit(None, 1)[0]  # drop the name
-        codes.append("P" if kind.endswith("*") or "*" in kind else CODES[kind.split()[-1]])
-    return "".join(codes)
+@pytest.mark.parametrize("spec", ONE_OF_EACH_KIND, ids=lambda spec: spec.name)
+def test_parameter_list_matches_the_compiled_kernel(spec):
+    """The kernel's parameters as NVRTC laid them out (PTX: type and alignment of each, in order)
+    against the family's list, from which the host packing is made."""
+    ptx = compile_ptx(spec, render(spec)).decode()
+    entry = re.search(rf"\.entry {spec.name}\((.*?)\)", ptx, re.S).group(1)
+    compiled = re.findall(r"\.param (\.align \d+ \.b8|\.\w+)(?: \.ptr[^ ]*)? (\w+?)(\[\d+\])?,?\n", entry)
+    params = spec.family.params(spec).params
+    assert [(ptype, size) for ptype, _, size in compiled] == [
+        (PTX_TYPES[p.kind], "") if p.kind != "tensormap" else (".align 64 .b8", "[128]") for p in params
+    ]
 
 
-def expanded(layout: struct.Struct) -> str:
-    """'@5P3i' -> 'PPPPPiii'."""
-    return "".join(code * int(count or 1) for count, code in re.findall(r"(\d*)([A-Za-z])", layout.format))
-
-
-def test_forward_layout_matches_the_kernel():
-    spec = KernelSpec(64, causal=True)
-    assert signature(render(spec), spec.name) == expanded(FORWARD_ARGS)
-
-
-@pytest.mark.parametrize("kind", ["bwd_kvq", "bwd_kv", "bwd_kq", "bwd_k", "bwd_v", "bwd_q"])
-def test_backward_layouts_match_the_kernels(kind):
-    spec = tuning.tuned_spec(kind, 128, "bf16", False, "sm_90a")
-    source = render(spec)
-    outputs = 1 if kind == "bwd_q" else len(spec.grads)
-    assert signature(source, spec.name) == expanded(BACKWARD_ARGS[outputs])
-    if kind != "bwd_q":
-        assert signature(source, spec.name + "_prep") == expanded(PREP_ARGS)
+def test_offsets_follow_c_alignment_including_tensor_maps():
+    params = Params(["q", "m", "n"], [*tensor("q"), scalar("n", "int"), tensormap("q_map", "m"), scalar("scale", "float", "1.0")])
+    assert params.offsets == [0, 8, 16, 24, 32, 64, 192]  # the map starts at the next 64-byte boundary
+    assert params.struct.size == 196
+    q = torch.zeros(2, 3, 5, 8)
+    buffer = ctypes.create_string_buffer(params.struct.size)
+    params.packer("(1, 2, 3)")(buffer, q=q, m=bytes(range(128)), n=7)
+    assert struct.unpack_from("=Qqqqi", buffer) == (q.data_ptr(), 120, 40, 8, 7)
+    assert buffer.raw[64:192] == bytes(range(128)) and struct.unpack_from("=f", buffer, 192) == (1.0,)
 
 
 class StubDriver:
-    """Records cuLaunchKernel's arguments; every call succeeds."""
+    """Records cuLaunchKernel's grid and parameter bytes; every call succeeds."""
 
     def __init__(self):
         self.launches = []
@@ -56,54 +59,60 @@ class StubDriver:
     def cuCtxGetCurrent(self, ref):
         return 0
 
-    def cuLaunchKernel(self, *args):
-        self.launches.append(args)
+    def cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        buffer, size = ctypes.c_void_p(extra[1]).value, ctypes.c_size_t.from_address(extra[3]).value
+        self.launches.append({"function": function, "grid": (gx, gy, gz), "block": (bx, by, bz), "smem": smem,
+                              "stream": stream.value, "params": ctypes.string_at(buffer, size)})
         return 0
 
 
 @pytest.fixture
 def driver(monkeypatch):
     stub = StubDriver()
-    monkeypatch.setattr(runtime, "_driver", lambda: stub)
+    monkeypatch.setattr(runtime, "driver", lambda: stub)
     monkeypatch.setattr(runtime, "_current_stream", lambda device: 0xABC0)
     monkeypatch.setitem(runtime._contexts, -1, None)  # CPU tensors report device -1; nothing current
+    monkeypatch.setattr(runtime.Module, "function", lambda self, device, symbol, smem: ctypes.c_void_p(0x77))
     return stub
 
 
-def test_forward_launch_packs_values_in_signature_order(driver):
-    spec = KernelSpec(64, block_m=128, causal=True)
-    kernel = Kernel(spec, b"")
-    kernel._functions[(-1, "")] = ctypes.c_void_p(0x77)
+def unpack(spec, params_bytes) -> dict:
+    params = spec.family.params(spec)
+    return dict(zip([p.name for p in params.params], params.struct.unpack(params_bytes)))
+
+
+def test_forward_launch_packs_every_value_at_its_place(driver):
+    spec = KernelSpec(head_dim=64, block_m=128, causal=True)
     # (B, T, H, d) storage seen as (B, H, T, d), like x.view(B, T, H, d).transpose(1, 2); GQA 2:1.
     q = torch.zeros(2, 300, 4, 64, dtype=torch.bfloat16).transpose(1, 2)
     k = torch.zeros(2, 200, 2, 64, dtype=torch.bfloat16).transpose(1, 2)
     v = torch.zeros(2, 2, 200, 64, dtype=torch.bfloat16)
     o, lse = torch.empty_like(q), torch.empty(2, 4, 300)
-    kernel.forward(-1, q, k, v, o, lse, 0.125)
+    Kernel(spec, b"").launch(-1, q=q, k=k, v=v, o=o, lse=lse, scale=0.125)
 
-    (function, gx, gy, gz, bx, by, bz, smem, stream, params, extra), = driver.launches
-    assert function.value == 0x77 and (gx, gy, gz) == (3, 4, 2) and (bx, by, bz) == (spec.num_threads, 1, 1)
-    assert smem == spec.smem_bytes and stream.value == 0xABC0 and params is None
-    buffer, size = runtime._launch_slot()[:2]
-    assert size.value == FORWARD_ARGS.size and extra[1] == ctypes.addressof(buffer)
-    values = FORWARD_ARGS.unpack_from(buffer)
-    assert values[:5] == (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr())
-    assert values[5:8] == (300, 200, 2)
-    assert values[8:20] == (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3])
-    assert values[20] == pytest.approx(0.125 * LOG2E)
+    (launch,) = driver.launches
+    assert launch["grid"] == (3, 4, 2) and launch["block"] == (128, 1, 1)
+    assert launch["smem"] == spec.smem_bytes and launch["stream"] == 0xABC0
+    values = unpack(spec, launch["params"])
+    assert values == pytest.approx({
+        "q": q.data_ptr(), "q_batch": 300 * 4 * 64, "q_head": 64, "q_row": 4 * 64,
+        "k": k.data_ptr(), "k_batch": 200 * 2 * 64, "k_head": 64, "k_row": 2 * 64,
+        "v": v.data_ptr(), "v_batch": 2 * 200 * 64, "v_head": 200 * 64, "v_row": 64,
+        "o": o.data_ptr(), "o_batch": 300 * 4 * 64, "o_head": 64, "o_row": 4 * 64,
+        "lse": lse.data_ptr(), "seqlen_q": 300, "seqlen_k": 200, "heads": 4, "kv_group": 2,
+        "scale_log2": 0.125 * LOG2E,
+    })
 
 
 def test_forward_without_lse_passes_a_null_pointer(driver):
-    kernel = Kernel(KernelSpec(64), b"")
-    kernel._functions[(-1, "")] = ctypes.c_void_p(0x77)
+    spec = KernelSpec(head_dim=64)
     q = torch.zeros(1, 1, 17, 64, dtype=torch.bfloat16)
-    kernel.forward(-1, q, q, q, torch.empty_like(q), None, 1.0)
-    assert FORWARD_ARGS.unpack_from(runtime._launch_slot()[0])[4] == 0
+    Kernel(spec, b"").launch(-1, q=q, k=q, v=q, o=torch.empty_like(q), lse=None, scale=1.0)
+    assert unpack(spec, driver.launches[0]["params"])["lse"] == 0
 
 
 def test_a_failed_launch_raises_with_the_kernel_name(driver, monkeypatch):
-    kernel = Kernel(KernelSpec(64), b"")
-    kernel._functions[(-1, "")] = ctypes.c_void_p(0x77)
+    spec = KernelSpec(head_dim=64)
     monkeypatch.setattr(driver, "cuLaunchKernel", lambda *args: 1, raising=False)
 
     def error_name(result, ref):
@@ -112,20 +121,63 @@ def test_a_failed_launch_raises_with_the_kernel_name(driver, monkeypatch):
 
     driver.cuGetErrorName = error_name
     q = torch.zeros(1, 1, 17, 64, dtype=torch.bfloat16)
-    with pytest.raises(runtime.CudaError, match=f"launching {kernel.spec.name} failed: CUDA_ERROR_INVALID_VALUE"):
-        kernel.forward(-1, q, q, q, torch.empty_like(q), None, 1.0)
+    with pytest.raises(runtime.CudaError, match=f"launching {spec.name} failed: CUDA_ERROR_INVALID_VALUE"):
+        Kernel(spec, b"").launch(-1, q=q, k=q, v=q, o=torch.empty_like(q), lse=None, scale=1.0)
 
 
+@pytest.fixture
+def stub_kernels(monkeypatch):
+    """kernels.get hands out kernels with no image (the driver is stubbed): no compiles."""
+    monkeypatch.setattr(kernels, "_loaded", {})
+    monkeypatch.setattr(kernels, "get", lambda spec: Kernel(spec, b""))
+    monkeypatch.setattr(plans, "_plans", {})
 
-@pytest.mark.parametrize("head_dim", [32, 40, 64, 96, 128, 256])
-def test_prep_launch_covers_every_padded_row(driver, head_dim):
-    spec = tuning.tuned_spec("bwd_kvq" if head_dim <= 128 else "bwd_kq", head_dim, "bf16", False, "sm_90a")
-    lanes = int(re.search(r"constexpr int PREP_LANES = (\d+);", render(spec)).group(1))
-    kernel = Kernel(spec, b"")
-    kernel._functions[(-1, "_prep")] = ctypes.c_void_p(0x78)
-    o = torch.zeros(2, 3, 100, head_dim, dtype=torch.bfloat16)
-    delta = torch.zeros(2, 3, 128)
-    kernel.backward_prep(o, o, torch.zeros(2, 3, 100), delta, torch.zeros_like(delta))
-    (function, gx, gy, gz, block, *_), = driver.launches
-    assert function.value == 0x78 and block == 128 and (gy, gz) == (3, 2)
-    assert gx * (128 // lanes) == 128  # the template's rows per block times the grid: every padded row
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_plan_wires_prep_kernels_and_scratch(driver, stub_kernels, deterministic):
+    batch, heads, seqlen, d = 2, 3, 100, 64
+    q = torch.zeros(batch, heads, seqlen, d, dtype=torch.bfloat16)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
+    plan = plans.backward(-1, d, torch.bfloat16, True, deterministic, KernelSpec(head_dim=d, causal=True).canonical())
+    values = dict(q=q, k=q, v=q, o=q, d_o=q, lse=torch.zeros(batch, heads, seqlen), d_lse=None,
+                  dq=dq, dk=dk, dv=dv, scale=0.125)
+    plan.run(-1, values)
+
+    kinds = [step.kernel.spec.kind for step in plan.steps if isinstance(step, plans.Launch)]
+    assert kinds == ["bwd_prep", "bwd_kv", "bwd_q"] if deterministic else ["bwd_prep", "bwd_kvq"]
+    prep, *others = driver.launches
+    assert values["delta"].shape == values["lse_log2"].shape == (batch, heads, 128)  # padded to a whole tile
+    rows_per_block = 128 // 8  # 128 threads, 8 lanes a row (64 / 8 chunks of 16 bytes)
+    assert prep["grid"] == (128 // rows_per_block, heads, batch)  # every padded row, exactly once
+    prep_values = unpack(plan.kernels[0].spec, prep["params"])
+    assert prep_values["delta"] == values["delta"].data_ptr() and prep_values["d_lse"] == 0
+    main = unpack(plan.kernels[1].spec, others[0]["params"])
+    assert main["delta"] == values["delta"].data_ptr() and main["lse_log2"] == values["lse_log2"].data_ptr()
+    if deterministic:
+        assert "dq_accum" not in values and unpack(plan.kernels[2].spec, others[1]["params"])["dq"] == dq.data_ptr()
+    else:
+        assert main["dq_accum"] == values["dq_accum"].data_ptr() and values["dq_accum"].dtype == torch.float32
+        assert isinstance(plan.steps[-1], plans.Convert)  # the fp32 sum becomes dq at the end
+
+
+@pytest.mark.parametrize("batch, heads, kv_heads", [(1, 70_000, 70_000), (1, 140_000, 35_000), (70_000, 2, 1)])
+def test_grids_past_65535_heads_or_batches_run_in_slices(driver, stub_kernels, batch, heads, kv_heads):
+    spec = KernelSpec(head_dim=32)
+    q = torch.zeros(batch, heads, 8, 32, dtype=torch.bfloat16)
+    k = torch.zeros(batch, kv_heads, 8, 32, dtype=torch.bfloat16)
+    lse = torch.zeros(batch, heads, 8)
+    plan = plans.Plan((plans.Launch(Kernel(spec, b"")),))
+    plan.run(-1, dict(q=q, k=k, v=k, o=q, lse=lse, scale=1.0))
+
+    covered = 0
+    for launch in driver.launches:
+        x, y, z = launch["grid"]
+        assert y <= 65535 and z <= 65535
+        values = unpack(spec, launch["params"])
+        first = (values["q"] - q.data_ptr()) // (8 * 32 * 2)  # the (batch, head) this slice starts at
+        assert first == covered  # slices are contiguous, in order, without gaps
+        assert values["k"] - k.data_ptr() == first // (heads // kv_heads) * 8 * 32 * 2
+        assert values["lse"] - lse.data_ptr() == first * 8 * 4
+        assert values["heads"] == y and values["kv_group"] == heads // kv_heads
+        covered += y * z
+    assert covered == batch * heads and len(driver.launches) > 1

@@ -1,0 +1,277 @@
+"""The `flashgen` command: build | list | show | bench | cache | doctor.
+
+Thin by design: it parses options, calls the library, prints. Nothing lives only here. Only
+`bench` and `doctor` import torch; the rest start fast. Errors go to stderr with exit status 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from itertools import product
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.progress import Progress
+
+from .families import KINDS
+from .spec import ARCHS
+
+console = Console()
+errors = Console(stderr=True)
+
+
+def _ints(ctx, param, value):
+    """'64,128' -> [64, 128]; None stays None."""
+    if value is None:
+        return None
+    parts = str(value).split(",")
+    try:
+        numbers = [int(part) for part in parts]
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected integers separated by commas, like 64,128") from None
+    if any(n < 1 for n in numbers):
+        raise click.BadParameter(f"{value!r}: every value must be a positive integer")
+    return numbers
+
+
+def _words(choices):
+    def parse(ctx, param, value):
+        words = [w.strip() for w in str(value).split(",")]
+        expanded = []
+        for word in words:
+            if word == "both" and len(choices) == 2:
+                expanded += list(choices)
+            elif word in choices:
+                expanded.append(word)
+            else:
+                allowed = ", ".join([*choices, "both"] if len(choices) == 2 else choices)
+                raise click.BadParameter(f"{word!r}: must be one of {allowed}")
+        return list(dict.fromkeys(expanded))
+
+    return parse
+
+
+def spec_options(multiple: bool):
+    """The options that describe a KernelSpec; with multiple=True each takes comma lists."""
+    many = " (comma-separated list)" if multiple else ""
+
+    def decorate(fn):
+        options = [
+            click.option("--d", "head_dims", required=True, callback=_ints, help=f"head dim{many}"),
+            click.option("--block", "blocks_m", callback=_ints, help=f"query rows per block (block_m){many}; default: tuned"),
+            click.option("--block-n", "blocks_n", callback=_ints, help=f"key rows per stage{many}; default: tuned"),
+            click.option("--warps", "warps", callback=_ints, help=f"warps per block{many}; default: tuned"),
+            click.option("--stages", "stages", callback=_ints, help=f"key/value tiles in flight{many}; default: tuned"),
+            click.option("--dtype", "dtypes", default="bf16", show_default=True,
+                         callback=_words(("fp16", "bf16")), help="fp16, bf16 or both"),
+            click.option("--causal", "causal", is_flag=False, flag_value="yes", default="no", show_default=True,
+                         callback=_words(("yes", "no")), help="causal mask: yes (bare --causal), no or both"),
+            click.option("--no-causal", "no_causal", is_flag=True, help="same as --causal no"),
+            click.option("--arch", "archs", default="sm_90a", show_default=True,
+                         callback=_words(ARCHS), help="compile target(s)"),
+        ]
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+
+    return decorate
+
+
+def specs_from_options(head_dims, blocks_m, blocks_n, warps, stages, dtypes, causal, no_causal, archs, kind="fwd"):
+    """Every combination of the options, each field the tuning table's choice unless given."""
+    from . import tuning
+
+    if no_causal and causal != ["no"]:
+        raise click.UsageError("--no-causal contradicts --causal " + ",".join(causal))
+    causals = [False] if no_causal else [c == "yes" for c in causal]
+    specs = []
+    for head_dim, dtype, is_causal, arch in product(head_dims, dtypes, causals, archs):
+        tuned = tuning.tuned_spec(kind, head_dim, dtype, is_causal, arch)
+        for block_m, block_n, num_warps, num_stages in product(blocks_m or [None], blocks_n or [None], warps or [None], stages or [None]):
+            changes = {"block_m": block_m, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages}
+            changes = {field: value for field, value in changes.items() if value is not None}
+            if "num_warps" not in changes and {"block_m", "block_n"} & set(changes):
+                changes["num_warps"] = _warps_for(tuned, changes)
+            spec = tuned.replace(**changes)
+            if spec not in specs:
+                specs.append(spec)
+    return specs
+
+
+def _warps_for(tuned, changes) -> int:
+    """The tuned warp count if it still gives each warp 16 or 32 rows of the new tile, else the
+    count that gives it 32."""
+    owner = getattr(tuned.family, "owner", "block_m")  # the tile dimension a warp owns rows of
+    owned = changes.get(owner, getattr(tuned, owner))
+    return tuned.num_warps if owned // tuned.num_warps in (16, 32) else max(1, min(8, owned // 32))
+
+
+def _fail(error) -> None:
+    errors.print(f"[red]error:[/red] {error}", highlight=False, soft_wrap=True)
+    sys.exit(1)
+
+
+@click.group()
+@click.version_option(package_name="flashgen")
+def main():
+    """flashgen: exact FlashAttention kernels generated for each head size, dtype, tile and mask."""
+
+
+@main.command()
+@spec_options(multiple=True)
+@click.option("--out", default="generated", show_default=True, type=click.Path(file_okay=False),
+              help="folder for the .cu, .cubin, .json and .py of each kernel")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
+              help="parallel compile processes (default: one per core)")
+@click.option("--with-backward/--no-backward", default=True, show_default=True,
+              help="also build the backward kernels (fast and deterministic) of each forward kernel")
+def build(out, jobs, with_backward, **options):
+    """Compile kernels ahead of time into an importable folder."""
+    from . import aot
+    from .spec import SpecError
+
+    try:
+        specs = specs_from_options(**options)
+        plan = aot.with_backward(specs) if with_backward else specs
+    except SpecError as error:
+        _fail(error)
+    try:
+        with Progress(console=errors, transient=True) as progress:
+            task = progress.add_task(f"compiling {len(plan)} kernel(s)", total=len(plan))
+            metas = aot.build(specs, Path(out), jobs=jobs, backward=with_backward,
+                              progress=lambda meta: progress.advance(task))
+    except Exception as error:  # CompileError, CacheError: say what and where, no traceback
+        _fail(error)
+    _print_kernels(metas, f"built into {out}/")
+
+
+@main.command(name="list")
+@click.option("--out", default="generated", show_default=True, type=click.Path(file_okay=False))
+def list_kernels(out):
+    """Show the kernels built into a folder."""
+    from . import aot
+
+    metas = aot.built(Path(out))
+    if not metas:
+        console.print(f"no kernels in {out}/ (run `flashgen build --d 64`)", highlight=False)
+        return
+    _print_kernels(metas, f"{out}/")
+
+
+def _print_kernels(metas, title):
+    """One line per kernel, names whole (they are what `import <folder>.<name>` takes)."""
+    rows = [("kernel", "regs", "spills", "smem", "nvrtc")]
+    for meta in sorted(metas, key=lambda m: m["name"]):
+        res = meta["resources"]
+        rows.append((
+            meta["name"], str(res["registers"]), str(res["spill_stores"] + res["spill_loads"]),
+            f"{(meta['smem_dynamic'] + res['static_smem']) // 1024} KiB", meta["nvrtc"],
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    click.echo(f"{title} ({len(metas)} kernel{'s' if len(metas) != 1 else ''})")
+    for row in rows:
+        click.echo("  " + "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
+
+
+@main.command()
+@spec_options(multiple=False)
+@click.option("--kind", default="fwd", show_default=True, type=click.Choice(KINDS),
+              help="the forward, one backward piece, or the backward's prep (see KernelSpec.kind)")
+@click.option("--resources", is_flag=True, help="also compile it and print ptxas' report")
+def show(resources, **options):
+    """Print the CUDA source flashgen renders for one spec."""
+    from .render import render
+    from .spec import SpecError
+
+    try:
+        specs = specs_from_options(**options)
+    except SpecError as error:
+        _fail(error)
+    for spec in specs:
+        source = render(spec)
+        click.echo(source)
+        if resources:
+            from .compile import compile_source
+
+            try:
+                report = compile_source(spec, source).resources
+            except Exception as error:  # CompileError, NoJitError
+                _fail(error)
+            click.echo(f"// {spec.name}: {json.dumps(report.to_dict())}, {spec.smem_bytes} bytes dynamic smem")
+
+
+@main.command()
+@click.option("--d", "head_dims", default="64,128", show_default=True, callback=_ints)
+@click.option("--seqlens", default="512,1024,2048,4096,8192,16384", show_default=True, callback=_ints)
+@click.option("--modes", default="fwd,bwd,fwd+bwd", show_default=True, callback=_words(("fwd", "bwd", "fwd+bwd")))
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="also write the numbers here")
+@click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False), help="also write the tables here, as Markdown")
+def bench(head_dims, seqlens, modes, json_path, markdown_path):
+    """flashgen next to SDPA's FLASH, CUDNN and EFFICIENT backends, in TFLOPS."""
+    from . import bench as benchmark
+
+    try:
+        report = benchmark.run(head_dims=head_dims, seqlens=seqlens, modes=modes, json_path=json_path, console=console)
+    except RuntimeError as error:
+        _fail(error)
+    if markdown_path:
+        Path(markdown_path).write_text(benchmark.markdown(report))
+
+
+@main.group()
+def cache():
+    """Inspect or clear the on-disk kernel cache ($FLASHGEN_CACHE_DIR)."""
+
+
+@cache.command()
+def info():
+    """Where the cache is and what it holds."""
+    from .cache import default_cache
+
+    store = default_cache()
+    entries = store.entries()
+    total = sum(e["bytes"] for e in entries)
+    click.echo(f"cache: {store.root} — {len(entries)} kernel(s), {total / 1024:.0f} KiB")
+    for entry in entries:
+        click.echo(f"  {entry['flashgen']}/{entry['spec']['arch']}/{entry['name']}  {entry['bytes'] / 1024:.0f} KiB")
+
+
+@cache.command()
+def clear():
+    """Delete every cached kernel."""
+    from .cache import default_cache
+
+    store = default_cache()
+    click.echo(f"removed {store.clear()} kernel(s) from {store.root}")
+
+
+@main.command()
+def doctor():
+    """Versions, GPU, NVRTC and cache: what flashgen sees on this machine."""
+    import torch
+
+    from . import __version__
+    from .cache import cache_root
+
+    click.echo(f"flashgen {__version__}, torch {torch.__version__}, python {sys.version.split()[0]}")
+    try:
+        from .compile import nvrtc_version
+
+        click.echo(f"NVRTC {nvrtc_version()}")
+    except Exception as error:  # a deployment may run prebuilt kernels with no NVRTC at all
+        click.echo(f"NVRTC unavailable ({error}); prebuilt kernels still load")
+    if torch.cuda.is_available():
+        from .plans import device_arch
+
+        for index in range(torch.cuda.device_count()):
+            click.echo(f"GPU {index}: {torch.cuda.get_device_name(index)} -> {device_arch(index)}")
+    else:
+        click.echo("no CUDA GPU visible: build, show and the cache work; attention() needs a GPU")
+    click.echo(f"cache: {cache_root()}  FLASHGEN_NO_JIT={os.environ.get('FLASHGEN_NO_JIT', '')!r}")
+
+
+if __name__ == "__main__":
+    main()

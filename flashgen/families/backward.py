@@ -1,0 +1,186 @@
+"""The backward (FlashAttention-2's algorithm), in three families:
+
+- BackwardPrep (bwd_prep): delta = rowsum(dO * O) and the base-2 log-sum-exp, per query row.
+- KeyMajorBackward (bwd_kvq, bwd_kv, bwd_kq, bwd_k, bwd_v): one block per BLOCK_N keys walks the
+  query tiles, writes dK and/or dV, and with a "q" adds dQ into an fp32 buffer with atomics. On
+  sm_90a, blocks whose warps own 16 keys run their products on warpgroup MMA (wgmma).
+- QueryMajorBackward (bwd_q): one block per BLOCK_M query rows writes dQ deterministically.
+"""
+
+from __future__ import annotations
+
+from ..params import Params, pointer, scalar, strides, tensor
+from ..smem import Region, SmemLayout
+from ..spec import KernelSpec, SpecError
+from .base import Family, MmaTiles
+
+# The prep writes lse and delta into buffers padded to whole tiles of this many rows, so the
+# backward kernels read them without bounds checks.
+STATS_PAD = 128
+
+
+def padded(seqlen_q: int) -> int:
+    return -(-seqlen_q // STATS_PAD) * STATS_PAD
+
+
+class BackwardPrep(Family):
+    kinds = ("bwd_prep",)
+    template = "attention_bwd_prep.cu.j2"
+    fields = ("head_dim", "dtype", "arch")
+    arguments = ("o", "d_o", "lse", "d_lse", "delta", "lse_log2")
+
+    def threads(self, spec: KernelSpec) -> int:
+        return 128
+
+    @staticmethod
+    def lanes(spec: KernelSpec) -> int:
+        """Lanes per query row: the row's 16-byte chunks, rounded up to a power of two."""
+        return 1 << (spec.head_dim // 8 - 1).bit_length()
+
+    def params(self, spec: KernelSpec) -> Params:
+        return Params(self.arguments, [
+            *tensor("o"), *tensor("d_o"),
+            pointer("lse", "const float*"),  # [batch, heads, seqlen_q]
+            pointer("d_lse", "const float*", optional=True),  # the same layout, or null
+            pointer("delta", "float*"), pointer("lse_log2", "float*"),  # [batch, heads, padded_q]
+            scalar("seqlen_q", "int", "o.shape[2]"),
+            scalar("padded_q", "int", "delta.shape[2]"),
+            scalar("heads", "int", "o.shape[1]"),
+        ])
+
+    def grid(self, spec: KernelSpec) -> str:
+        return f"(delta.shape[2] // {self.threads(spec) // self.lanes(spec)}, o.shape[1], o.shape[0])"
+
+    def context(self, spec: KernelSpec) -> dict:
+        return {**super().context(spec), "lanes": self.lanes(spec), "stats_pad": STATS_PAD}
+
+
+class _BackwardTiles(MmaTiles):
+    def check(self, spec: KernelSpec) -> None:
+        super().check(spec)
+        if STATS_PAD % spec.block_m:
+            raise SpecError(f"block_m={spec.block_m}: a backward kernel needs a divisor of {STATS_PAD}")
+
+    def params_common(self):
+        return [
+            *tensor("q"), *tensor("k"), *tensor("v"), *tensor("d_o"),
+            pointer("lse_log2", "const float*"), pointer("delta", "const float*"),  # [batch, heads, padded_q]
+        ]
+
+    def scalars(self):
+        return [
+            scalar("seqlen_q", "int", "q.shape[2]"),
+            scalar("seqlen_k", "int", "k.shape[2]"),
+            scalar("padded_q", "int", "delta.shape[2]"),
+            scalar("kv_group", "int", "q.shape[1] // k.shape[1]"),
+            scalar("scale", "float"),
+            scalar("scale_log2", "float", "scale * LOG2E"),
+        ]
+
+
+class KeyMajorBackward(_BackwardTiles):
+    kinds = ("bwd_kvq", "bwd_kv", "bwd_kq", "bwd_k", "bwd_v")
+    template = "attention_bwd.cu.j2"
+    owner = "block_n"
+    arguments = ("q", "k", "v", "d_o", "lse_log2", "delta", "dk", "dv", "dq_accum", "scale")
+
+    @staticmethod
+    def grads(spec: KernelSpec) -> str:
+        """The gradients the kernel writes: letters of "kvq"."""
+        return spec.kind.removeprefix("bwd_")
+
+    @staticmethod
+    def wgmma(spec: KernelSpec) -> bool:
+        """Hopper's warpgroup MMA: on sm_90a, when warps own 16 keys each, so that 4 warps form a
+        warpgroup over 64 keys. Its shared-memory tiles are stored as 8 x 8 core matrices."""
+        return spec.arch == "sm_90a" and spec.num_warps % 4 == 0 and spec.block_n // spec.num_warps == 16
+
+    def accumulators(self, spec: KernelSpec) -> int:
+        grads = self.grads(spec)
+        scores = 1 + ("k" in grads or "q" in grads)  # S^T, and dP^T when dS is needed
+        outputs = ("k" in grads) + ("v" in grads)  # dK, dV
+        return self.rows_per_warp(spec) // 16 * (outputs * spec.head_dim_pad + scores * spec.block_m) // 2
+
+    def smem(self, spec: KernelSpec) -> SmemLayout:
+        # Core-matrix tiles (wgmma) have no padding; dK and dV are staged in padded rows either way.
+        tile_row = spec.head_dim_pad * 2 if self.wgmma(spec) else self.row_bytes(spec)
+        regions = [
+            Region("k", spec.block_n * tile_row), Region("v", spec.block_n * tile_row),
+            Region("q", spec.num_stages * spec.block_m * tile_row), Region("do", spec.num_stages * spec.block_m * tile_row),
+            Region("stats", spec.num_stages * 2 * spec.block_m * 4),
+        ]
+        if "q" in self.grads(spec):
+            regions.append(Region("ds", spec.block_n * (spec.block_m + 8) * 2))
+        outputs = len(self.grads(spec).replace("q", ""))
+        return SmemLayout(regions, overlays=[Region("stage", outputs * spec.block_n * self.row_bytes(spec))])
+
+    def params(self, spec: KernelSpec) -> Params:
+        grads = self.grads(spec)
+        # dK and dV share one layout (both are allocated like k), passed once as dkv_*.
+        outputs = [pointer(name, "elem_t*") for name in ("dk", "dv") if name[1] in grads]
+        outputs += strides("dkv", outputs[0].name)
+        if "q" in grads:
+            outputs.append(pointer("dq_accum", "float*"))  # [batch, heads, seqlen_q, head_dim], zeroed
+        return Params(self.arguments, [
+            *self.params_common(), *outputs, *self.scalars(), scalar("kv_heads", "int", "k.shape[1]"),
+        ])
+
+    def grid(self, spec: KernelSpec) -> str:
+        return f"(-(-k.shape[2] // {spec.block_n}), k.shape[1], k.shape[0])"
+
+    def context(self, spec: KernelSpec) -> dict:
+        grads = self.grads(spec)
+        dq_rows, dq_pairs = dq_item(spec)
+        return {
+            **super().context(spec),
+            "has_dk": "k" in grads,
+            "has_dv": "v" in grads,
+            "has_dq": "q" in grads,
+            "need_dp": "k" in grads or "q" in grads,
+            # (accumulator, fp32 tile it is multiplied from, shared-memory B operand)
+            "gemms": [g for g in (("dv", "s", "do_tile"), ("dk", "dp", "q_tile")) if g[0][1] in grads],
+            "grads_text": " and ".join({"k": "dK", "v": "dV"}[g] for g in grads if g != "q"),
+            "wgmma": self.wgmma(spec),  # also stores the shared-memory tiles as wgmma's core matrices
+            "dq_rows": dq_rows,
+            "dq_pairs": dq_pairs,
+        }
+
+
+def dq_item(spec: KernelSpec) -> tuple[int, int]:
+    """The key-major dQ product's work item, (m16 query tiles, n16 head-dim pairs): the shape that
+    keeps the busiest warp's mma count lowest, then its operand loads, within 32 fp32
+    accumulators per thread."""
+    row_tiles, pairs = spec.block_m // 16, spec.head_dim_pad // 16
+
+    def cost(item):
+        rows, cols = item
+        per_warp = -(-(row_tiles // rows) * (pairs // cols) // spec.num_warps)
+        return per_warp * rows * cols, per_warp * (rows + cols)
+
+    shapes = [(r, c) for r in (1, 2, 4) for c in (1, 2, 3, 4) if not row_tiles % r and not pairs % c and r * c <= 4]
+    return min(shapes, key=cost)
+
+
+class QueryMajorBackward(_BackwardTiles):
+    kinds = ("bwd_q",)
+    template = "attention_bwd_q.cu.j2"
+    owner = "block_m"
+    arguments = ("q", "k", "v", "d_o", "lse_log2", "delta", "dq", "scale")
+
+    def accumulators(self, spec: KernelSpec) -> int:
+        return self.rows_per_warp(spec) // 16 * (spec.head_dim_pad // 2 + spec.block_n)  # S, dP and dQ
+
+    def smem(self, spec: KernelSpec) -> SmemLayout:
+        row = self.row_bytes(spec)
+        tiles = spec.num_stages * spec.block_n * row
+        return SmemLayout([
+            Region("q", spec.block_m * row), Region("do", spec.block_m * row), Region("k", tiles), Region("v", tiles),
+        ])
+
+    def params(self, spec: KernelSpec) -> Params:
+        return Params(self.arguments, [
+            *self.params_common(), *tensor("dq", const=False), *self.scalars(), scalar("heads", "int", "q.shape[1]"),
+        ])
+
+    def grid(self, spec: KernelSpec) -> str:
+        return f"(-(-q.shape[2] // {spec.block_m}), q.shape[1], q.shape[0])"

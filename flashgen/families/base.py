@@ -1,0 +1,162 @@
+"""What every kernel family provides, and the checks the mma.sync families share.
+
+A family is one unit that owns everything about its kernels: which specs it accepts (and why not),
+the spec fields its code depends on, its template, its shared-memory layout, its ordered parameter
+list and its launch geometry. Nothing outside the family branches on its kind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .. import __version__
+from ..params import Params
+from ..smem import SmemLayout
+from ..spec import DEFAULTS, SMEM_LIMIT, KernelSpec, SpecError
+
+# How each field appears in a kernel name, in name order (the kind comes first).
+NAME_PARTS = {
+    "head_dim": "d{}",
+    "block_m": "m{}",
+    "block_n": "n{}",
+    "dtype": "{}",
+    "causal": None,  # causal / full
+    "num_warps": "w{}",
+    "num_stages": "s{}",
+    "arch": None,  # sm_90a -> sm90a
+}
+
+
+class Family:
+    """One kind of kernel (or a few kinds that share a template)."""
+
+    kinds: tuple[str, ...] = ()
+    template: str = ""
+    fields: tuple[str, ...] = tuple(NAME_PARTS)  # the spec fields the kernel's code depends on
+    arguments: tuple[str, ...] = ()  # the launch's named arguments, from which parameters are computed
+
+    # ---- which specs ---------------------------------------------------------------------------
+
+    def validate(self, spec: KernelSpec) -> None:
+        """Raise SpecError unless this family can build and run `spec`."""
+        for field, default in DEFAULTS.items():
+            if field != "kind" and field not in self.fields and getattr(spec, field) != default:
+                raise SpecError(
+                    f"{field}={getattr(spec, field)!r}: a {spec.kind} kernel does not use {field} "
+                    f"(leave it at its default, {default!r})"
+                )
+        self.check(spec)
+        limit = SMEM_LIMIT[spec.arch]
+        if spec.smem_bytes > limit:
+            raise SpecError(
+                f"block_m={spec.block_m}, block_n={spec.block_n}, num_stages={spec.num_stages}, "
+                f"head_dim={spec.head_dim}: needs {spec.smem_bytes} bytes of shared memory, "
+                f"more than the {limit} a block may use on {spec.arch}"
+            )
+
+    def check(self, spec: KernelSpec) -> None:
+        """The family's own rules (tile shapes, registers)."""
+
+    def name(self, spec: KernelSpec) -> str:
+        parts = [spec.kind]
+        for field, form in NAME_PARTS.items():
+            if field in self.fields:
+                value = getattr(spec, field)
+                if field == "causal":
+                    parts.append("causal" if value else "full")
+                elif field == "arch":
+                    parts.append(value.replace("_", ""))
+                else:
+                    parts.append(form.format(value))
+        return "_".join(parts)
+
+    # ---- what the kernel is made of --------------------------------------------------------------
+
+    def threads(self, spec: KernelSpec) -> int:
+        return 32 * spec.num_warps
+
+    def smem(self, spec: KernelSpec) -> SmemLayout:
+        return SmemLayout([])
+
+    def params(self, spec: KernelSpec) -> Params:
+        raise NotImplementedError
+
+    def grid(self, spec: KernelSpec) -> str:
+        """The grid (x, y, z) as an expression over the arguments: x counts tiles, y heads, z batches."""
+        raise NotImplementedError
+
+    def context(self, spec: KernelSpec) -> dict:
+        """Everything the template may use: the spec's fields and what is derived from them."""
+        return {
+            **dataclasses.asdict(spec),
+            "name": spec.name,
+            "version": __version__,
+            "head_dim_pad": spec.head_dim_pad,
+            "num_threads": self.threads(spec),
+            "ptx_type": {"fp16": "f16", "bf16": "bf16"}[spec.dtype],
+            "wgmma": False,
+            "params": self.params(spec).signature(),
+            "smem_layout": self.smem(spec).cuda(),
+        }
+
+    def packer(self, spec: KernelSpec):
+        """`pack(buffer, **arguments) -> blocks` for this spec's parameters (see Params.packer);
+        specs whose parameters and grid read the same share one."""
+        params, grid = self.params(spec), self.grid(spec)
+        key = (params.struct.format, params.packer_source(grid))
+        pack = _packers.get(key)
+        if pack is None:
+            pack = _packers[key] = params.packer(grid)
+        return pack
+
+
+_packers: dict[tuple[str, str], object] = {}
+
+
+class MmaTiles(Family):
+    """Shared rules of the mma.sync families: each warp owns 16 or 32 rows of the tile dimension
+    `owner` (block_m, or block_n for the key-major backward) and holds its fp32 accumulators in
+    registers."""
+
+    owner = "block_m"
+    max_accumulators = 192  # fp32 accumulators per thread that fit in 255 registers with room to spare
+
+    def check(self, spec: KernelSpec) -> None:
+        if spec.num_warps not in (1, 2, 4, 8):
+            raise SpecError(f"num_warps={spec.num_warps}: must be one of (1, 2, 4, 8)")
+        if spec.num_stages not in (2, 3):
+            raise SpecError(f"num_stages={spec.num_stages}: must be one of (2, 3)")
+        for field in ("block_m", "block_n"):
+            value = getattr(spec, field)
+            if value % 16 or not 16 <= value <= 256:
+                raise SpecError(f"{field}={value}: must be a multiple of 16 in [16, 256]")
+        owned = getattr(spec, self.owner)
+        if owned % spec.num_warps or self.rows_per_warp(spec) not in (16, 32):
+            raise SpecError(
+                f"{self.owner}={owned} with num_warps={spec.num_warps}: in a {spec.kind} kernel each "
+                f"warp owns {self.owner} / num_warps rows, which must be 16 or 32 "
+                f"({self.owner} in {{{16 * spec.num_warps}, {32 * spec.num_warps}}})"
+            )
+        if self.accumulators(spec) > self.max_accumulators:
+            raise SpecError(
+                f"block_m={spec.block_m}, block_n={spec.block_n}, head_dim={spec.head_dim}, "
+                f"num_warps={spec.num_warps}: each thread would hold {self.accumulators(spec)} fp32 "
+                f"accumulators; at most {self.max_accumulators} fit in registers "
+                f"(use smaller tiles, or more warps for the same tiles)"
+            )
+
+    def rows_per_warp(self, spec: KernelSpec) -> int:
+        return getattr(spec, self.owner) // spec.num_warps
+
+    def accumulators(self, spec: KernelSpec) -> int:
+        """fp32 registers per thread held across the inner loop (see the template)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def row_bytes(spec: KernelSpec) -> int:
+        """A padded shared-memory row: 16 extra bytes put ldmatrix's 8 rows in 8 bank groups."""
+        return (spec.head_dim_pad + 8) * 2
+
+    def context(self, spec: KernelSpec) -> dict:
+        return {**super().context(spec), "smem_stride": spec.head_dim_pad + 8}
+

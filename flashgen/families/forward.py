@@ -1,0 +1,39 @@
+"""The mma.sync forward (FlashAttention-2's design): one block per BLOCK_M query rows, K and V
+streamed through shared memory with cp.async, every warp owning 16 or 32 rows. Runs on sm_80 and
+newer."""
+
+from __future__ import annotations
+
+from ..params import Params, pointer, scalar, tensor
+from ..smem import Region, SmemLayout
+from ..spec import KernelSpec
+from .base import MmaTiles
+
+
+class MmaForward(MmaTiles):
+    kinds = ("fwd",)
+    template = "attention_fwd.cu.j2"
+    owner = "block_m"
+    arguments = ("q", "k", "v", "o", "lse", "scale")
+
+    def accumulators(self, spec: KernelSpec) -> int:
+        return self.rows_per_warp(spec) // 16 * (spec.head_dim_pad + spec.block_n) // 2  # S and O
+
+    def smem(self, spec: KernelSpec) -> SmemLayout:
+        row = self.row_bytes(spec)
+        tiles = spec.num_stages * spec.block_n * row
+        return SmemLayout([Region("q", spec.block_m * row), Region("k", tiles), Region("v", tiles)])
+
+    def params(self, spec: KernelSpec) -> Params:
+        return Params(self.arguments, [
+            *tensor("q"), *tensor("k"), *tensor("v"), *tensor("o", const=False),
+            pointer("lse", "float*", optional=True),
+            scalar("seqlen_q", "int", "q.shape[2]"),
+            scalar("seqlen_k", "int", "k.shape[2]"),
+            scalar("heads", "int", "q.shape[1]"),
+            scalar("kv_group", "int", "q.shape[1] // k.shape[1]"),
+            scalar("scale_log2", "float", "scale * LOG2E"),  # the softmax runs in base 2
+        ])
+
+    def grid(self, spec: KernelSpec) -> str:
+        return f"(-(-q.shape[2] // {spec.block_m}), q.shape[1], q.shape[0])"

@@ -1,0 +1,71 @@
+"""Loaded kernels, and the one memo of them that stands in front of the disk cache.
+
+`get(spec)` is the only way a spec becomes a runnable Kernel: the memo, else a prebuilt kernel
+registered by flashgen.load(), else the cache (which compiles on a miss, unless FLASHGEN_NO_JIT).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from . import runtime
+from .spec import KernelSpec
+
+_loaded: dict[KernelSpec, Kernel] = {}
+_lock = threading.Lock()
+
+
+class Kernel:
+    """A compiled kernel: its spec, its image (loaded on each device on first use), its launch
+    geometry, and `launch(device, **arguments)` with the family's named arguments."""
+
+    def __init__(self, spec: KernelSpec, image: bytes):
+        self.spec = spec
+        self.image = image
+        family = spec.family
+        self.threads, self.smem = family.threads(spec), spec.smem_bytes
+        self._pack = family.packer(spec)
+        self.arguments = self._pack.arguments  # the named arguments launch() takes
+        self._params_size = family.params(spec).struct.size
+        self._module = runtime.Module(image, spec.name)
+        self._functions: dict[int, object] = {}
+
+    def __repr__(self) -> str:
+        return f"Kernel({self.spec.ident})"
+
+    def function(self, device: int):
+        function = self._functions.get(device)
+        if function is None:
+            function = self._functions[device] = self._module.function(device, self.spec.name, self.smem)
+        return function
+
+    def launch(self, device: int, **arguments) -> None:
+        """Pack the parameters from the family's named arguments and launch on `device`'s stream."""
+        slot = runtime.launch_slot()
+        x, y, z = self._pack(slot[0], **arguments)
+        function = self._functions.get(device) or self.function(device)
+        runtime.launch(function, x, y, z, self.threads, self.smem, device, slot, self._params_size, self.spec.name)
+
+
+def get(spec: KernelSpec) -> Kernel:
+    """The loaded kernel for `spec`: from the memo, or from the cache (built on a miss)."""
+    kernel = _loaded.get(spec)
+    if kernel is None:
+        from .cache import default_cache
+
+        artifact = default_cache().get(spec)
+        with _lock:
+            kernel = _loaded.setdefault(spec, Kernel(spec, artifact.cubin))
+    return kernel
+
+
+def register(kernel: Kernel) -> Kernel:
+    """Make a kernel loaded elsewhere (a prebuilt one) the one `get` returns for its spec."""
+    with _lock:
+        return _loaded.setdefault(kernel.spec, kernel)
+
+
+def clear() -> None:
+    """Forget every loaded kernel (tests; a cleared disk cache)."""
+    with _lock:
+        _loaded.clear()

@@ -1,0 +1,163 @@
+"""Launch plans: what one call of attention runs, as data.
+
+A plan is the scratch buffers a call needs and the steps that use them: kernel launches (each
+kernel takes its family's named arguments from the call's values: inputs, outputs and scratch,
+by name) and conversions. Plans are picked by the tuning tables and kept per problem bucket, so a
+warm call is one dictionary lookup and then its launches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from . import kernels, tuning
+from .families import padded
+from .kernels import Kernel
+from .spec import KernelSpec, arch_for_capability
+
+DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+@dataclass(frozen=True)
+class Scratch:
+    """A buffer the plan allocates per call: its shape from the call's values."""
+
+    name: str
+    shape: Callable[[dict], tuple]
+    dtype: torch.dtype = torch.float32
+    zeroed: bool = False
+
+
+@dataclass(frozen=True)
+class Launch:
+    kernel: Kernel
+
+    def run(self, device: int, values: dict) -> None:
+        self.kernel.launch(device, **{name: values[name] for name in self.kernel.arguments})
+
+
+@dataclass(frozen=True)
+class Convert:
+    """values[dst] = values[src], converted to dst's dtype (an fp32 accumulator to the output)."""
+
+    dst: str
+    src: str
+
+    def run(self, device: int, values: dict) -> None:
+        values[self.dst].copy_(values[self.src])
+
+
+@dataclass(frozen=True)
+class Plan:
+    steps: tuple
+    scratch: tuple[Scratch, ...] = ()
+
+    @property
+    def kernels(self) -> list[Kernel]:
+        return [step.kernel for step in self.steps if isinstance(step, Launch)]
+
+    def run(self, device: int, values: dict) -> None:
+        """Run every step on `device`'s current stream; `values` holds the call's named tensors and
+        scalars, and gains the scratch buffers."""
+        like = values["q"]
+        for buffer in self.scratch:
+            make = torch.zeros if buffer.zeroed else torch.empty
+            values[buffer.name] = make(buffer.shape(values), dtype=buffer.dtype, device=like.device)
+        batch, heads = like.shape[:2]
+        parts = (values,) if batch <= MAX_GRID_YZ and heads <= MAX_GRID_YZ else slices(values)
+        for part in parts:
+            for step in self.steps:
+                step.run(device, part)
+
+
+MAX_GRID_YZ = 65535  # a grid's largest y (heads) and z (batches)
+
+
+def slices(values: dict):
+    """The call cut into independent pieces whose grids fit: batches at most MAX_GRID_YZ at a
+    time, or, when there are more heads than that, one batch and a whole number of key/value
+    groups at a time. Every (batch, heads, ...) tensor is sliced alike (by its query or key/value
+    heads), so flat-indexed buffers stay contiguous slices."""
+    batch, heads = values["q"].shape[:2]
+    kv_heads = values["k"].shape[1]
+    group = heads // kv_heads
+    if heads <= MAX_GRID_YZ:
+        pieces = [(slice(b, b + MAX_GRID_YZ), slice(None), slice(None)) for b in range(0, batch, MAX_GRID_YZ)]
+    else:
+        step = MAX_GRID_YZ // group * group
+        pieces = [
+            (slice(b, b + 1), slice(h, h + step), slice(h // group, (h + step) // group))
+            for b in range(batch) for h in range(0, heads, step)
+        ]
+    for b, h, h_kv in pieces:
+        part = {}
+        for name, value in values.items():
+            if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == batch:
+                value = value[b, h] if value.shape[1] == heads else value[b, h_kv] if value.shape[1] == kv_heads else value[b]
+            part[name] = value
+        yield part
+
+
+# ---- the plans of flashgen.attention -----------------------------------------------------------
+
+_arch: dict[int, str] = {}
+_plans: dict[tuple, Plan] = {}
+
+
+def device_arch(device: int) -> str:
+    """The target flashgen compiles for on `device`."""
+    arch = _arch.get(device)
+    if arch is None:
+        arch = _arch[device] = arch_for_capability(*torch.cuda.get_device_capability(device))
+    return arch
+
+
+def forward(device: int, head_dim: int, dtype: torch.dtype, causal: bool, seqlen_q: int, spec: str) -> Plan:
+    """The forward's plan: the kernel `spec` names (its canonical text), or the tables' choice."""
+    key = ("fwd", device, head_dim, dtype, causal, tuning.query_bucket(seqlen_q), spec)
+    plan = _plans.get(key)
+    if plan is None:
+        chosen = KernelSpec.from_json(spec) if spec else tuning.forward_spec(
+            head_dim, DTYPES[dtype], causal, device_arch(device), seqlen_q
+        )
+        plan = _plans[key] = Plan((Launch(kernels.get(chosen)),))
+    return plan
+
+
+def _stats(values: dict) -> tuple:
+    batch, heads, seqlen_q, _ = values["q"].shape
+    return batch, heads, padded(seqlen_q)
+
+
+def _dq_accum(values: dict) -> tuple:
+    return tuple(values["q"].shape)
+
+
+def backward(device: int, head_dim: int, dtype: torch.dtype, causal: bool, deterministic: bool, forward_spec: str) -> Plan:
+    """The backward's plan: the prep (delta and the base-2 lse, padded), then the tables' backward
+    kernels for the target of the forward's kernel (`forward_spec`, its canonical text; "" = the
+    device's); without `deterministic` the key-major kernel adds dQ into an fp32 buffer with
+    atomics, converted to dq at the end."""
+    key = ("bwd", device, head_dim, dtype, causal, deterministic, forward_spec)
+    plan = _plans.get(key)
+    if plan is None:
+        arch = KernelSpec.from_json(forward_spec).arch if forward_spec else device_arch(device)
+        specs = tuning.backward_specs(head_dim, DTYPES[dtype], causal, arch, deterministic)
+        prep = tuning.backward_prep(head_dim, DTYPES[dtype], arch)
+        scratch = [Scratch("delta", _stats), Scratch("lse_log2", _stats)]
+        steps = [Launch(kernels.get(spec)) for spec in [prep, *specs]]
+        if any(p.name == "dq_accum" for spec in specs for p in spec.family.params(spec).params):
+            scratch.append(Scratch("dq_accum", _dq_accum, zeroed=True))
+            steps.append(Convert("dq", "dq_accum"))
+        plan = _plans[key] = Plan(tuple(steps), tuple(scratch))
+    return plan
+
+
+def clear() -> None:
+    """Forget every plan (and the devices' targets): the next call picks again."""
+    _plans.clear()
+    _arch.clear()
+
