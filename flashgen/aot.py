@@ -63,7 +63,7 @@ def export(spec: KernelSpec, out: Path, backward: tuple[str, ...] = ()) -> dict:
     _write(stem.with_suffix(".cu"), (artifact.path / "kernel.cu").read_bytes())
     _write(stem.with_suffix(".cubin"), artifact.cubin)
     meta = {k: v for k, v in artifact.meta.items() if k != "compile_seconds"}
-    if spec.kind == "fwd":
+    if spec.family.forward:
         meta["backward"] = list(backward)
         module = MODULE.format(name=spec.name, version=__version__, nvrtc=meta["nvrtc"], package=out.name)
         _write(stem.with_suffix(".py"), module.encode())
@@ -80,7 +80,7 @@ def with_backward(specs: list[KernelSpec]) -> dict[KernelSpec, tuple[str, ...]]:
     """Each forward spec with the backward kernels (prep, and both modes) that the tables pick for it."""
     plan = {}
     for spec in specs:
-        if spec.kind != "fwd":
+        if not spec.family.forward:
             plan.setdefault(spec, ())
             continue
         picked = [backward_prep(spec.head_dim, spec.dtype, spec.arch)]
@@ -174,7 +174,7 @@ def load(path) -> PrebuiltKernel | dict[str, PrebuiltKernel]:
     it, as {name: kernel}. Needs no compiler; touches no GPU until called."""
     path = Path(path)
     if path.is_dir():
-        forwards = [Path(meta["path"]) for meta in built(path) if meta["spec"]["kind"] == "fwd"]
+        forwards = [Path(meta["path"]) for meta in built(path) if KernelSpec(**meta["spec"]).family.forward]
         if not forwards:
             raise FileNotFoundError(
                 f"{path} holds no kernels built by `flashgen build` (a <name>.json with its "
@@ -185,7 +185,7 @@ def load(path) -> PrebuiltKernel | dict[str, PrebuiltKernel]:
     if not meta_path.exists():
         raise FileNotFoundError(f"{meta_path} does not exist: flashgen.load takes a kernel's .json, .cubin or .py, or a build folder")
     spec, cubin, meta = _read(meta_path)
-    if spec.kind != "fwd":
+    if not spec.family.forward:
         raise ValueError(
             f"{spec.name} is a backward piece ({spec.kind}): it loads with the forward kernel it was "
             f"built for, whose .json names it; load that forward kernel, or the folder"

@@ -56,13 +56,19 @@ def sdpa_backends() -> dict:
     }
 
 
-def _inputs(seqlen, head_dim, dtype=torch.bfloat16, device="cuda"):
-    batch, heads = TOKENS // seqlen, MODEL_DIM // head_dim
+def _inputs(seqlen, head_dim, dtype=torch.bfloat16, device="cuda", heads=None, kv_heads=None):
+    batch, heads = TOKENS // seqlen, heads or MODEL_DIM // head_dim
     gen = torch.Generator(device=device).manual_seed(seqlen * 1000 + head_dim)
-    return [
-        torch.randn(batch, heads, seqlen, head_dim, device=device, dtype=dtype, generator=gen)
-        for _ in range(3)
-    ]
+    q = torch.randn(batch, heads, seqlen, head_dim, device=device, dtype=dtype, generator=gen)
+    k, v = (torch.randn(batch, kv_heads or heads, seqlen, head_dim, device=device, dtype=dtype, generator=gen) for _ in range(2))
+    return [q, k, v]
+
+
+def _kernel_name(q, causal) -> str:
+    """The forward kernel flashgen runs for these inputs (the plan is kept after the first call)."""
+    from . import plans
+
+    return plans.forward(q.get_device(), q.shape[3], q.dtype, causal, q.shape[2], "").kernels[0].spec.name
 
 
 MODES = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}  # FLOPs relative to the forward
@@ -82,32 +88,42 @@ def _timer(attention, q, k, v, causal, mode):
 
 def table(mode="fwd", head_dims=HEAD_DIMS, seqlens=SEQLENS, causals=(False, True)):
     """TFLOPS of flashgen and each SDPA backend for every (d, causal, T), for one mode."""
+    rows = []
+    for head_dim in head_dims:
+        for causal in causals:
+            for seqlen in seqlens:
+                rows.append(_row(mode, _inputs(seqlen, head_dim), causal))
+    return rows
+
+
+def gqa_rows(modes, seqlen=16384, head_dim=128, heads=32, kv_heads=8):
+    """The GQA case of ANCHORS.md: 32 query heads on 8 key/value heads, causal, d = 128."""
+    return [_row(mode, _inputs(seqlen, head_dim, heads=heads, kv_heads=kv_heads), True) for mode in modes]
+
+
+def _row(mode, inputs, causal) -> dict:
     from .api import attention as flashgen_attention
 
     peers = {"flashgen": lambda q, k, v, causal: flashgen_attention(q, k, v, causal=causal)}
     for name, pin in sdpa_backends().items():
         peers[name] = _pinned(pin)
-    rows = []
-    for head_dim in head_dims:
-        for causal in causals:
-            for seqlen in seqlens:
-                q, k, v = _inputs(seqlen, head_dim)
-                flops = MODES[mode] * forward_flops(q.shape[0], q.shape[1], seqlen, seqlen, head_dim, causal)
-                row = {"mode": mode, "d": head_dim, "causal": causal, "T": seqlen}
-                for name, attention in peers.items():
-                    try:
-                        row[name] = flops / time_ms(_timer(attention, q, k, v, causal, mode)) / 1e9
-                    except RuntimeError:  # backend not available for this shape or GPU
-                        row[name] = None
-                rows.append(row)
-                del q, k, v
-    return rows
+    q, k, v = inputs
+    batch, heads, seqlen, head_dim = q.shape
+    flops = MODES[mode] * forward_flops(batch, heads, seqlen, seqlen, head_dim, causal)
+    row = {"mode": mode, "d": head_dim, "causal": causal, "T": seqlen, "heads": f"{heads}:{k.shape[1]}"}
+    for name, attention in peers.items():
+        try:
+            row[name] = flops / time_ms(_timer(attention, q, k, v, causal, mode)) / 1e9
+        except RuntimeError:  # backend not available for this shape or GPU
+            row[name] = None
+    row["kernel"] = _kernel_name(q, causal)
+    return row
 
 
 def _pinned(pin):
     def run(q, k, v, causal):
         with pin():
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
 
     return run
 
@@ -188,9 +204,12 @@ print((time.perf_counter() - start) * 1e3)
 def compile_and_load_times(spec=None) -> dict:
     """Cold compile of one spec into an empty cache, then its load from disk in a fresh process."""
     from .cache import KernelCache
-    from .spec import KernelSpec
 
-    spec = spec or KernelSpec(head_dim=128, causal=True)
+    if spec is None:  # the forward the tables pick here for d = 128, causal
+        from .plans import device_arch
+        from .tuning import forward_spec
+
+        spec = forward_spec(128, "bf16", True, device_arch(0), seqlen_q=4096)
     with tempfile.TemporaryDirectory() as root:
         start = time.perf_counter()
         KernelCache(root).get(spec)
@@ -202,7 +221,7 @@ def compile_and_load_times(spec=None) -> dict:
     return {"spec": spec.name, "cold_compile_s": cold, "warm_load_ms": warm_ms}
 
 
-COLUMNS = ("d", "causal", "T", "flashgen", "flash", "cudnn", "efficient", "vs flash", "vs cudnn")
+COLUMNS = ("d", "causal", "T", "flashgen", "flash", "cudnn", "efficient", "vs flash", "vs cudnn", "kernel")
 
 
 def _ratio(a, b) -> str:
@@ -214,18 +233,26 @@ def _cells(row) -> list[str]:
     return [
         str(row["d"]), "yes" if row["causal"] else "no", str(row["T"]), fmt(row["flashgen"]),
         fmt(row["flash"]), fmt(row["cudnn"]), fmt(row["efficient"]),
-        _ratio(row["flashgen"], row["flash"]), _ratio(row["flashgen"], row["cudnn"]),
+        _ratio(row["flashgen"], row["flash"]), _ratio(row["flashgen"], row["cudnn"]), row.get("kernel", "-"),
     ]
 
 
 def markdown(report: dict) -> str:
     """The report's tables as Markdown, the form BENCHMARKS.md records them in."""
     lines = []
-    for mode, rows in report["tables"].items():
-        lines += [f"{mode} (TFLOPS)", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for title, rows in _titled_tables(report):
+        lines += [title, "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
         lines += ["| " + " | ".join(_cells(row)) + " |" for row in rows]
         lines.append("")
     return "\n".join(lines)
+
+
+def _titled_tables(report: dict):
+    for mode, rows in report["tables"].items():
+        yield f"{mode} (TFLOPS)", rows
+    if report.get("gqa"):
+        row = report["gqa"][0]
+        yield f"GQA {row['heads']}, causal, fwd / bwd / fwd+bwd (TFLOPS)", report["gqa"]
 
 
 def run(head_dims=HEAD_DIMS, seqlens=SEQLENS, modes=tuple(MODES), json_path=None, console=None) -> dict:
@@ -240,12 +267,13 @@ def run(head_dims=HEAD_DIMS, seqlens=SEQLENS, modes=tuple(MODES), json_path=None
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
         "tables": {mode: table(mode, head_dims, seqlens) for mode in modes},
+        "gqa": gqa_rows(modes),
         "backward_memory_mib": backward_memory_mib(head_dims=head_dims) if "bwd" in modes else [],
         "host_overhead_us": host_overhead_us(),
         "compile": compile_and_load_times(),
     }
-    for mode, rows in report["tables"].items():
-        out = Table(title=f"{mode} TFLOPS, bf16, {report['gpu']} (B*T=16k, model dim 2048)")
+    for title, rows in _titled_tables(report):
+        out = Table(title=f"{title}, bf16, {report['gpu']} (B*T=16k)")
         for column in COLUMNS:
             out.add_column(column, justify="right")
         for row in rows:

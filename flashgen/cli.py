@@ -80,8 +80,9 @@ def spec_options(multiple: bool):
     return decorate
 
 
-def specs_from_options(head_dims, blocks_m, blocks_n, warps, stages, dtypes, causal, no_causal, archs, kind="fwd"):
-    """Every combination of the options, each field the tuning table's choice unless given."""
+def specs_from_options(head_dims, blocks_m, blocks_n, warps, stages, dtypes, causal, no_causal, archs, kind=None):
+    """Every combination of the options, each field the tuning table's choice unless given; kind
+    None is the forward kernel the tables pick for the target."""
     from . import tuning
 
     if no_causal and causal != ["no"]:
@@ -93,7 +94,7 @@ def specs_from_options(head_dims, blocks_m, blocks_n, warps, stages, dtypes, cau
         for block_m, block_n, num_warps, num_stages in product(blocks_m or [None], blocks_n or [None], warps or [None], stages or [None]):
             changes = {"block_m": block_m, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages}
             changes = {field: value for field, value in changes.items() if value is not None}
-            if "num_warps" not in changes and {"block_m", "block_n"} & set(changes):
+            if "num_warps" not in changes and {"block_m", "block_n"} & set(changes) and hasattr(tuned.family, "owner"):
                 changes["num_warps"] = _warps_for(tuned, changes)
             spec = tuned.replace(**changes)
             if spec not in specs:
@@ -104,7 +105,7 @@ def specs_from_options(head_dims, blocks_m, blocks_n, warps, stages, dtypes, cau
 def _warps_for(tuned, changes) -> int:
     """The tuned warp count if it still gives each warp 16 or 32 rows of the new tile, else the
     count that gives it 32."""
-    owner = getattr(tuned.family, "owner", "block_m")  # the tile dimension a warp owns rows of
+    owner = tuned.family.owner  # the tile dimension a warp owns rows of
     owned = changes.get(owner, getattr(tuned, owner))
     return tuned.num_warps if owned // tuned.num_warps in (16, 32) else max(1, min(8, owned // 32))
 
@@ -178,8 +179,9 @@ def _print_kernels(metas, title):
 
 @main.command()
 @spec_options(multiple=False)
-@click.option("--kind", default="fwd", show_default=True, type=click.Choice(KINDS),
-              help="the forward, one backward piece, or the backward's prep (see KernelSpec.kind)")
+@click.option("--kind", default=None, type=click.Choice(KINDS),
+              help="a forward (fwd: mma.sync; fwd_sm90: Hopper), a backward piece, or the backward's prep "
+                   "(default: the forward the tables pick for --arch)")
 @click.option("--resources", is_flag=True, help="also compile it and print ptxas' report")
 def show(resources, **options):
     """Print the CUDA source flashgen renders for one spec."""

@@ -126,9 +126,10 @@ class Params:
         lines.append(f"    return {grid}")
         return "\n".join(lines) + "\n"
 
-    def packer(self, grid: str):
-        """The function packer_source describes, compiled; its `arguments` are the names it takes."""
-        namespace = {"pack_into": self.struct.pack_into, "LOG2E": LOG2E}
+    def packer(self, grid: str, helpers: dict | None = None):
+        """The function packer_source describes, compiled; its `arguments` are the names it takes.
+        `helpers` are functions the value expressions call."""
+        namespace = {"pack_into": self.struct.pack_into, "LOG2E": LOG2E, **(helpers or {})}
         exec(compile(self.packer_source(grid), "<flashgen packer>", "exec"), namespace)  # noqa: S102
         pack = namespace["pack"]
         pack.arguments = tuple(self.used(grid))

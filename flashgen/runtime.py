@@ -41,6 +41,11 @@ def driver():
     lib.cuModuleGetFunction.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p]
     lib.cuModuleLoadData.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
     lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
+    u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
+    lib.cuTensorMapEncodeTiled.argtypes = [
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p, u32p,
+        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+    ]
     check(lib, lib.cuInit(0), "cuInit")
     return lib
 
@@ -90,6 +95,48 @@ def make_current(device: int) -> None:
     lib.cuCtxGetCurrent(ctypes.byref(current))
     if current.value != context:
         check(lib, lib.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+
+
+_TENSOR_MAP_DTYPES = {torch.float16: 6, torch.bfloat16: 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / BFLOAT16
+_SWIZZLE_128B, _L2_PROMOTION_128B, _OOB_FILL_ZEROS = 3, 2, 0
+
+
+_tensor_maps: dict[tuple, bytes] = {}
+
+
+def tensor_map(t: torch.Tensor, box_rows: int, box_cols: int = 64) -> bytes:
+    """The TMA descriptor (CUtensorMap, 128 bytes) of a (B, H, T, d) tensor with a contiguous last
+    dimension: rank 4 over (d, T, H, B), tiles of box_rows x box_cols elements, 128-byte swizzle,
+    elements outside the tensor read as zero. A descriptor depends on nothing but the address,
+    shape, strides, dtype and box, so the last ones made are kept (the same buffers come back call
+    after call: PyTorch's allocator reuses addresses)."""
+    key = (t.data_ptr(), t.shape, t.stride(), t.dtype, box_rows, box_cols)
+    descriptor = _tensor_maps.get(key)
+    if descriptor is None:
+        if len(_tensor_maps) >= 256:
+            _tensor_maps.clear()
+        descriptor = _tensor_maps[key] = _encode_tensor_map(t, box_rows, box_cols)
+    return descriptor
+
+
+def _encode_tensor_map(t: torch.Tensor, box_rows: int, box_cols: int) -> bytes:
+    """cuTensorMapEncodeTiled. Strides must be multiples of 16 bytes (the driver refuses others);
+    a dimension of size 1 is never stepped over, so any legal stride does for it."""
+    batch, heads, seqlen, head_dim = t.shape
+    size = t.element_size()
+    sizes, strides = (seqlen, heads, batch), [s * size for s in t.stride()[2::-1]]
+    for i in range(3):
+        if sizes[i] == 1:
+            strides[i] = 16 * max(1, -(-(strides[i - 1] * sizes[i - 1] if i else head_dim * size) // 16))
+    descriptor = (ctypes.c_uint64 * 16)()
+    lib = driver()
+    check(lib, lib.cuTensorMapEncodeTiled(
+        descriptor, _TENSOR_MAP_DTYPES[t.dtype], 4, ctypes.c_void_p(t.data_ptr()),
+        (ctypes.c_uint64 * 4)(head_dim, seqlen, heads, batch), (ctypes.c_uint64 * 3)(*strides),
+        (ctypes.c_uint32 * 4)(box_cols, box_rows, 1, 1), (ctypes.c_uint32 * 4)(1, 1, 1, 1),
+        0, _SWIZZLE_128B, _L2_PROMOTION_128B, _OOB_FILL_ZEROS,
+    ), f"encoding a tensor map of shape {tuple(t.shape)}, strides {tuple(t.stride())}")
+    return bytes(descriptor)
 
 
 class Module:

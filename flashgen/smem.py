@@ -23,7 +23,9 @@ class Region:
 
 class SmemLayout:
     """Regions laid out one after another; overlays start at 0 and reuse the space of the regions
-    once those are no longer needed (output staging at the end of a kernel)."""
+    once those are no longer needed (output staging at the end of a kernel). Dynamic shared memory
+    is only 16-byte aligned: when a region needs more (TMA's swizzled tiles: 1024), the kernel
+    rounds its base up to `align` (SMEM_ALIGN) and the size includes that slack."""
 
     def __init__(self, regions: list[Region], overlays: list[Region] = ()):
         self.regions, self.overlays = list(regions), list(overlays)
@@ -36,6 +38,8 @@ class SmemLayout:
         for overlay in self.overlays:
             self.offsets[overlay.name] = 0
         self.size = max([offset] + [o.bytes for o in self.overlays])
+        if self.align > 16:
+            self.size += self.align
 
     @property
     def align(self) -> int:
@@ -48,5 +52,7 @@ class SmemLayout:
         for region in self.regions + self.overlays:
             name = f"SMEM_{region.name.upper()}"
             lines.append(f"constexpr int {name} = {self.offsets[region.name]}, {name}_BYTES = {region.bytes};")
+        if self.align > 16:
+            lines.append(f"constexpr int SMEM_ALIGN = {self.align};  // the kernel rounds its base up to this")
         lines.append(f"constexpr int SMEM_BYTES = {self.size};")
         return "\n".join(lines)

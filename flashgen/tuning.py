@@ -1,7 +1,8 @@
-"""Which KernelSpec to run for a problem: a small table measured on the H200 (see BENCHMARKS.md).
+"""Which KernelSpec to run for a problem: small tables measured on the H200 (see BENCHMARKS.md).
 
 Each entry lists tile shapes best first; the first one that is a valid spec for the target (shared
-memory differs between sm_80, sm_86 and sm_90) wins.
+memory differs between sm_80, sm_86 and sm_90) wins. On sm_90a the forward is the Hopper family
+(TMA, wgmma, warp specialization); elsewhere, and for short queries, the mma.sync family.
 """
 
 from __future__ import annotations
@@ -20,6 +21,15 @@ FORWARD_TABLE = {
 # Ampere and Ada (sm_8x) hold fewer registers' worth of these tiles before ptxas spills.
 FORWARD_TABLE_SM8X = {**FORWARD_TABLE, (128, True): [(64, 64, 4, 2)]}
 SHORT_QUERY = 64  # at or below this many query rows, 64-row blocks waste less work
+
+# sm_90a forward (kind fwd_sm90): largest (padded) head_dim -> [(block_m, block_n, num_stages)].
+# Measured on the H200 for d = 64, 128 and 256 (BENCHMARKS.md); d <= 192 is not tuned yet.
+HOPPER_FORWARD_TABLE = {
+    64: [(192, 128, 2)],
+    128: [(128, 128, 2)],
+    192: [(128, 96, 2)],
+    256: [(128, 80, 2)],
+}
 
 
 def query_bucket(seqlen_q: int) -> bool:
@@ -60,21 +70,25 @@ def _bound(head_dim: int) -> int:
     return next((b for b in (64, 128, 256) if head_dim <= b), 256)
 
 
-def _first_valid(candidates, kind, head_dim, dtype, causal, arch) -> KernelSpec:
+def _first_valid(candidates, kind, head_dim, dtype, causal, arch, fields=("block_m", "block_n", "num_warps", "num_stages")) -> KernelSpec:
     check_head_dim(head_dim)  # a bad head dim is the problem, not the tiles
     error = None
-    for block_m, block_n, num_warps, num_stages in candidates:
+    for values in candidates:
         try:
-            return KernelSpec(
-                head_dim=head_dim, block_m=block_m, block_n=block_n, dtype=dtype, causal=causal,
-                num_warps=num_warps, num_stages=num_stages, arch=arch, kind=kind,
-            )
+            return KernelSpec(head_dim=head_dim, dtype=dtype, causal=causal, arch=arch, kind=kind, **dict(zip(fields, values)))
         except SpecError as rejected:
             error = rejected
     raise SpecError(f"no {kind} tile shape fits head_dim={head_dim} on {arch}: {error}")
 
 
 def forward_spec(head_dim: int, dtype: str, causal: bool, arch: str, seqlen_q: int) -> KernelSpec:
+    """The forward kernel for a problem: the Hopper family on sm_90a, unless the query is short."""
+    if arch == "sm_90a" and not query_bucket(seqlen_q):
+        return tuned_spec("fwd_sm90", head_dim, dtype, causal, arch)
+    return mma_forward_spec(head_dim, dtype, causal, arch, seqlen_q)
+
+
+def mma_forward_spec(head_dim: int, dtype: str, causal: bool, arch: str, seqlen_q: int) -> KernelSpec:
     table = FORWARD_TABLE_SM8X if arch.startswith("sm_8") else FORWARD_TABLE
     candidates = table[(_bound(head_dim), causal)]
     if query_bucket(seqlen_q):
@@ -82,10 +96,15 @@ def forward_spec(head_dim: int, dtype: str, causal: bool, arch: str, seqlen_q: i
     return _first_valid(candidates, "fwd", head_dim, dtype, causal, arch)
 
 
-def tuned_spec(kind: str, head_dim: int, dtype: str, causal: bool, arch: str) -> KernelSpec:
-    """The table's spec of any kind (the forward's for long sequences)."""
-    if kind == "fwd":
+def tuned_spec(kind: str | None, head_dim: int, dtype: str, causal: bool, arch: str) -> KernelSpec:
+    """The table's spec of a kind; kind None is the forward the tables pick for long sequences."""
+    if kind is None:
         return forward_spec(head_dim, dtype, causal, arch, seqlen_q=4096)
+    if kind == "fwd":
+        return mma_forward_spec(head_dim, dtype, causal, arch, seqlen_q=4096)
+    if kind == "fwd_sm90":
+        bound = next((b for b in HOPPER_FORWARD_TABLE if head_dim <= b), 256)
+        return _first_valid(HOPPER_FORWARD_TABLE[bound], kind, head_dim, dtype, causal, arch, ("block_m", "block_n", "num_stages"))
     if kind == "bwd_prep":
         return backward_prep(head_dim, dtype, arch)
     table = BACKWARD_TABLE_SM8X if arch.startswith("sm_8") else BACKWARD_TABLE

@@ -24,7 +24,8 @@ def tuned(head_dim, causal=False):
     return tuning.forward_spec(head_dim, "bf16", causal, "sm_90a", seqlen_q=4096)
 
 
-D64 = tuned(64, causal=True)  # what `build --d 64 --causal` picks
+D64 = tuned(64, causal=True)  # what `build --d 64 --causal` picks: the Hopper forward
+assert D64.kind == "fwd_sm90"
 
 
 def run(*args, env=None):
@@ -83,7 +84,7 @@ def test_build_every_combination_in_parallel(tmp_path):
 
 def test_build_includes_the_backward_kernels_by_default(gen):
     metas = {m["name"]: m for m in aot.built(gen)}
-    (forward,) = [m for m in metas.values() if m["spec"]["kind"] == "fwd"]
+    (forward,) = [m for m in metas.values() if m["spec"]["kind"] == D64.kind]
     backward = [metas[name]["spec"] for name in forward["backward"]]
     assert {spec["kind"] for spec in backward} == {"bwd_prep", "bwd_kvq", "bwd_kv", "bwd_q"}
     assert set(forward["backward"]) | {forward["name"]} == set(metas)
@@ -142,7 +143,11 @@ def test_show_prints_the_source():
     result = run("show", "--d", 64, "--causal")
     assert result.exit_code == 0
     assert 'extern "C" __global__' in result.output and name in result.output
-    assert "diag" in result.output
+    assert "diag" in result.output and "cp.async.bulk.tensor" in result.output
+    ampere = run("show", "--d", 64, "--causal", "--arch", "sm_80")
+    assert ampere.exit_code == 0 and "fwd_d64_" in ampere.output and "cp.async.bulk.tensor" not in ampere.output
+    mma = run("show", "--d", 64, "--kind", "fwd", "--block", 64)
+    assert mma.exit_code == 0 and "fwd_d64_m64_n64_bf16_full_w4_s3_sm90a(" in mma.output
 
 
 def test_show_a_backward_kernel():
@@ -197,13 +202,16 @@ def test_bench_without_gpu_fails_clearly():
 def test_bench_markdown_tables():
     from flashgen.bench import markdown
 
-    row = {"mode": "bwd", "d": 64, "causal": True, "T": 4096, "flashgen": 250.4, "flash": 200.0, "cudnn": None, "efficient": 100.0}
-    text = markdown({"tables": {"bwd": [row]}})
+    row = {"mode": "bwd", "d": 64, "causal": True, "T": 4096, "flashgen": 250.4, "flash": 200.0, "cudnn": None,
+           "efficient": 100.0, "kernel": "fwd_sm90_d64_m192_n128_bf16_causal_s2_sm90a"}
+    gqa = {**row, "d": 128, "T": 16384, "heads": "32:8", "cudnn": 500.0}
+    text = markdown({"tables": {"bwd": [row]}, "gqa": [gqa]})
     assert text.splitlines()[:4] == [
-        "bwd (TFLOPS)", "", "| d | causal | T | flashgen | flash | cudnn | efficient | vs flash | vs cudnn |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "bwd (TFLOPS)", "", "| d | causal | T | flashgen | flash | cudnn | efficient | vs flash | vs cudnn | kernel |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    assert "| 64 | yes | 4096 | 250 | 200 | - | 100 | 1.25 | - |" in text
+    assert "| 64 | yes | 4096 | 250 | 200 | - | 100 | 1.25 | - | fwd_sm90_d64_m192_n128_bf16_causal_s2_sm90a |" in text
+    assert "GQA 32:8, causal" in text and "| 128 | yes | 16384 | 250 | 200 | 500 | 100 | 1.25 | 0.50 |" in text
 
 
 def test_doctor_reports_nvrtc_and_the_gpu_situation():

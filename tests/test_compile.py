@@ -4,7 +4,7 @@ import pytest
 
 import flashgen
 from flashgen import tuning
-from flashgen.compile import Resources, compile_source, parse_resources
+from flashgen.compile import Resources, compile_ptx, compile_source, parse_resources
 from flashgen.render import render
 from flashgen.spec import SMEM_LIMIT, KernelSpec
 
@@ -27,8 +27,27 @@ def test_shipped_spec_compiles_without_spills(spec):
     assert 0 < res.registers <= 255, binary.log
     assert res.spills == 0, binary.log
     assert res.stack_frame == 0, binary.log
+    assert "setmaxnreg" not in binary.log, binary.log  # ptxas warns when it cannot honour setmaxnreg
     assert spec.smem_bytes + res.static_smem <= SMEM_LIMIT[spec.arch]
     assert f"-arch={spec.arch}" in binary.options
+
+
+# One Hopper forward per head-dim bucket (the sweep above compiles all of them).
+HOPPER = [tuning.tuned_spec("fwd_sm90", d, "bf16", c, "sm_90a") for d, c in ((64, False), (96, True), (192, False), (256, True))]
+
+
+@pytest.mark.parametrize("spec", HOPPER, ids=lambda spec: spec.name)
+def test_hopper_forward_holds_the_hopper_instructions(spec):
+    """The instructions that make it a Hopper kernel, in what NVRTC emits (PTX): warpgroup MMA,
+    bulk tensor copies completing on mbarriers, register reallocation between warpgroups."""
+    ptx = compile_ptx(spec, render(spec)).decode()
+    for instruction in (
+        "wgmma.mma_async.sync.aligned", "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes",
+        "cp.async.bulk.tensor.4d.global.shared::cta", "setmaxnreg.inc.sync.aligned.u32", "setmaxnreg.dec.sync.aligned.u32",
+        "mbarrier.try_wait.parity",
+    ):
+        assert instruction in ptx, instruction
+    assert "mma.sync" not in ptx and "ld.local" not in ptx
 
 
 def test_compile_error_carries_log_options_and_source(tmp_path):

@@ -241,6 +241,40 @@ def test_more_than_2_to_the_31_elements():
             check_against_reference(q[:, one], k[:, one], v[:, one], False, out[:, one], lse[:, one])
 
 
+def test_hopper_forward_is_the_default_on_hopper_and_mma_sync_for_short_queries():
+    from flashgen import plans
+
+    if plans.device_arch(0) != "sm_90a":
+        pytest.skip("the Hopper family needs sm_90a")
+    assert plans.forward(0, 128, torch.bfloat16, True, 1000, "").kernels[0].spec.kind == "fwd_sm90"
+    assert plans.forward(0, 128, torch.bfloat16, True, 64, "").kernels[0].spec.kind == "fwd"
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_the_mma_sync_forward_still_runs_on_hopper_when_asked_for(head_dim):
+    """The fallback family, chosen explicitly (as a prebuilt module of it would be)."""
+    from flashgen.api import call
+
+    spec = tuning.mma_forward_spec(head_dim, "bf16", True, "sm_90a", seqlen_q=4096)
+    q, k, v = make_qkv(2, 4, 2, 1000, 1100, head_dim, torch.bfloat16)
+    out, lse = call(q, k, v, True, None, True, False, spec=spec)
+    check_against_reference(q, k, v, True, out, lse)
+
+
+def test_prebuilt_hopper_module_runs_without_a_compiler(tmp_path):
+    spec = tuning.tuned_spec("fwd_sm90", 128, "bf16", True, "sm_90a")
+    out = run_prebuilt(tmp_path, spec, """
+        q, k, v = (torch.randn(2, 4, 999, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        out = module.attention(q, k, v)
+        out.sum().backward()
+        ref = naive_attention(q, k, v, causal=True)[0]
+        err = (out.float() - ref.float()).abs().max().item()
+        assert err < 2e-2 and q.grad is not None, err
+        print("ok", module.spec.name, err)
+    """)
+    assert out.startswith("ok fwd_sm90_")
+
+
 def test_sdpa_agreement_for_equal_lengths():
     """Bottom-right causal equals SDPA's is_causal when Tq == Tk."""
     q, k, v = make_qkv(2, 4, 4, 777, 777, 128, torch.float16)

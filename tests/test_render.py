@@ -96,3 +96,16 @@ def test_dq_work_items_balance_the_warps_then_reuse_operands():
 def test_undefined_variable_is_an_error():
     with pytest.raises(jinja2.UndefinedError, match="nope"):
         _environment().from_string("{{ nope }}").render()
+
+
+def test_the_hopper_forward_renders_tma_wgmma_and_the_shared_pieces():
+    spec = KernelSpec(head_dim=128, block_m=128, block_n=128, causal=True, kind="fwd_sm90")
+    source = render(spec)
+    for piece in (
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile", "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16",
+        "setmaxnreg.inc.sync.aligned", "mbarrier.try_wait.parity", "const __grid_constant__ CUtensorMap q_map",
+        "struct Mask", "softmax_update(s, row_max, row_sum, scale_log2, alpha)", "softmax_finish(o,",
+        f"__launch_bounds__(NUM_THREADS, 1)\n{spec.name}(",
+    ):
+        assert piece in source, piece
+    assert spec.num_threads == 384 and spec.smem_bytes == spec.family.smem(spec).size

@@ -7,8 +7,9 @@ from __future__ import annotations
 from .backward import STATS_PAD, BackwardPrep, KeyMajorBackward, QueryMajorBackward, padded
 from .base import Family
 from .forward import MmaForward
+from .hopper import HopperForward
 
-FAMILIES: tuple[Family, ...] = (MmaForward(), KeyMajorBackward(), QueryMajorBackward(), BackwardPrep())
+FAMILIES: tuple[Family, ...] = (MmaForward(), HopperForward(), KeyMajorBackward(), QueryMajorBackward(), BackwardPrep())
 BY_KIND: dict[str, Family] = {kind: family for family in FAMILIES for kind in family.kinds}
 KINDS = tuple(BY_KIND)
 

@@ -34,6 +34,7 @@ class Family:
     template: str = ""
     fields: tuple[str, ...] = tuple(NAME_PARTS)  # the spec fields the kernel's code depends on
     arguments: tuple[str, ...] = ()  # the launch's named arguments, from which parameters are computed
+    forward = False  # a forward kernel: what attention() runs and `flashgen build` makes importable
 
     # ---- which specs ---------------------------------------------------------------------------
 
@@ -81,6 +82,10 @@ class Family:
     def params(self, spec: KernelSpec) -> Params:
         raise NotImplementedError
 
+    def helpers(self, spec: KernelSpec) -> dict:
+        """Functions the parameter expressions call (a tensor map encoder, say)."""
+        return {}
+
     def grid(self, spec: KernelSpec) -> str:
         """The grid (x, y, z) as an expression over the arguments: x counts tiles, y heads, z batches."""
         raise NotImplementedError
@@ -102,11 +107,11 @@ class Family:
     def packer(self, spec: KernelSpec):
         """`pack(buffer, **arguments) -> blocks` for this spec's parameters (see Params.packer);
         specs whose parameters and grid read the same share one."""
-        params, grid = self.params(spec), self.grid(spec)
-        key = (params.struct.format, params.packer_source(grid))
+        params, grid, helpers = self.params(spec), self.grid(spec), self.helpers(spec)
+        key = (params.struct.format, params.packer_source(grid), tuple(helpers.items()))
         pack = _packers.get(key)
         if pack is None:
-            pack = _packers[key] = params.packer(grid)
+            pack = _packers[key] = params.packer(grid, helpers)
         return pack
 
 

@@ -15,6 +15,7 @@ class MmaForward(MmaTiles):
     template = "attention_fwd.cu.j2"
     owner = "block_m"
     arguments = ("q", "k", "v", "o", "lse", "scale")
+    forward = True
 
     def accumulators(self, spec: KernelSpec) -> int:
         return self.rows_per_warp(spec) // 16 * (spec.head_dim_pad + spec.block_n) // 2  # S and O

@@ -1,0 +1,93 @@
+"""The sm_90a forward (FlashAttention-3's design): Q, K and V tiles loaded by the tensor memory
+accelerator (TMA) into 128-byte-swizzled shared memory through an mbarrier pipeline, one producer
+warpgroup and two or three consumer warpgroups (setmaxnreg moves registers to the consumers), S =
+QK^T and O += PV on warpgroup MMA (wgmma), the softmax of one key tile under the next tile's QK^T,
+and ping-pong between the consumer warpgroups. O leaves through shared memory with a TMA store.
+"""
+
+from __future__ import annotations
+
+from ..params import Params, pointer, scalar, tensormap
+from ..smem import Region, SmemLayout
+from ..spec import KernelSpec, SpecError
+from .base import Family
+
+# Registers a consumer thread may hold in accumulators (S, O, and P packed), by consumer
+# warpgroups: setmaxnreg gives each 240 (two consumers) or 160 (three) registers.
+MAX_ACCUMULATORS = {2: 200, 3: 128}
+
+
+def _tensor_map(t, box_rows):
+    from ..runtime import tensor_map
+
+    return tensor_map(t, box_rows)
+
+
+class HopperForward(Family):
+    kinds = ("fwd_sm90",)
+    template = "attention_fwd_sm90.cu.j2"
+    fields = ("head_dim", "block_m", "block_n", "dtype", "causal", "num_stages", "arch")
+    arguments = ("q", "k", "v", "o", "lse", "scale")
+    forward = True
+
+    @staticmethod
+    def consumers(spec: KernelSpec) -> int:
+        return spec.block_m // 64
+
+    @staticmethod
+    def head_dim_pad(spec: KernelSpec) -> int:
+        """Head dims are padded to whole 64-element (128-byte) chunks: one TMA box, one swizzle row."""
+        return -(-spec.head_dim // 64) * 64
+
+    def check(self, spec: KernelSpec) -> None:
+        if spec.arch != "sm_90a":
+            raise SpecError(f"arch={spec.arch!r}: a {spec.kind} kernel needs sm_90a (TMA, wgmma, setmaxnreg)")
+        if spec.block_m not in (128, 192):
+            raise SpecError(f"block_m={spec.block_m}: must be 128 or 192 (two or three consumer warpgroups of 64 rows)")
+        if spec.block_n % 16 or not 16 <= spec.block_n <= 256:
+            raise SpecError(f"block_n={spec.block_n}: must be a multiple of 16 in [16, 256]")
+        if spec.num_stages not in (2, 3, 4):
+            raise SpecError(f"num_stages={spec.num_stages}: must be one of (2, 3, 4)")
+        held = spec.block_n // 2 + self.head_dim_pad(spec) // 2 + spec.block_n // 4
+        limit = MAX_ACCUMULATORS[self.consumers(spec)]
+        if held > limit:
+            raise SpecError(
+                f"block_m={spec.block_m}, block_n={spec.block_n}, head_dim={spec.head_dim}: each consumer thread "
+                f"would hold {held} registers of accumulators; at most {limit} fit (use a smaller block_n)"
+            )
+
+    def threads(self, spec: KernelSpec) -> int:
+        return 128 * (self.consumers(spec) + 1)
+
+    def smem(self, spec: KernelSpec) -> SmemLayout:
+        chunks = self.head_dim_pad(spec) // 64  # each [rows][64] elements, 128 bytes a row
+        kv_tiles = spec.num_stages * chunks * spec.block_n * 128
+        return SmemLayout([
+            Region("q", chunks * spec.block_m * 128, align=1024),
+            Region("k", kv_tiles, align=1024),
+            Region("v", kv_tiles, align=1024),
+            Region("bar", 8 * (2 + 4 * spec.num_stages), align=8),  # mbarriers
+        ])
+
+    def params(self, spec: KernelSpec) -> Params:
+        return Params(self.arguments, [
+            tensormap("q_map", f"tensor_map(q, {spec.block_m})"),
+            tensormap("k_map", f"tensor_map(k, {spec.block_n})"),
+            tensormap("v_map", f"tensor_map(v, {spec.block_n})"),
+            tensormap("o_map", "tensor_map(o, 64)"),
+            pointer("lse", "float*", optional=True),
+            scalar("seqlen_q", "int", "q.shape[2]"),
+            scalar("seqlen_k", "int", "k.shape[2]"),
+            scalar("heads", "int", "q.shape[1]"),
+            scalar("kv_group", "int", "q.shape[1] // k.shape[1]"),
+            scalar("scale_log2", "float", "scale * LOG2E"),  # the softmax runs in base 2
+        ])
+
+    def helpers(self, spec: KernelSpec) -> dict:
+        return {"tensor_map": _tensor_map}
+
+    def grid(self, spec: KernelSpec) -> str:
+        return f"(-(-q.shape[2] // {spec.block_m}), q.shape[1], q.shape[0])"
+
+    def context(self, spec: KernelSpec) -> dict:
+        return {**super().context(spec), "wgmma": True, "persistent": False}
