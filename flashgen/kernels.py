@@ -26,7 +26,7 @@ class Kernel:
         self.threads, self.smem = family.threads(spec), spec.smem_bytes
         self._pack = family.packer(spec)
         self.arguments = self._pack.arguments  # the named arguments launch() takes
-        self._params_size = family.params(spec).struct.size
+        self._offsets = tuple(family.params(spec).offsets)
         self._module = runtime.Module(image, spec.name)
         self._functions: dict[int, object] = {}
 
@@ -44,7 +44,8 @@ class Kernel:
         slot = runtime.launch_slot()
         x, y, z = self._pack(slot[0], **arguments)
         function = self._functions.get(device) or self.function(device)
-        runtime.launch(function, x, y, z, self.threads, self.smem, device, slot, self._params_size, self.spec.name)
+        pointers = slot[1].get(self._offsets) or runtime.param_pointers(slot, self._offsets)
+        runtime.launch(function, x, y, z, self.threads, self.smem, device, slot, pointers, self.spec.name)
 
 
 def get(spec: KernelSpec) -> Kernel:

@@ -20,7 +20,6 @@ import torch
 from .params import MAX_BYTES
 
 _MAX_DYNAMIC_SMEM, _SMEM_CARVEOUT = 8, 9  # CUfunction_attribute values
-_PARAM_BUFFER_POINTER, _PARAM_BUFFER_SIZE, _PARAM_END = 1, 2, 0  # cuLaunchKernel `extra` keys
 MAX_GRID_YZ = 65535  # a grid's largest y and z (x goes to 2**31 - 1)
 
 
@@ -63,16 +62,26 @@ _local = threading.local()
 
 
 def launch_slot():
-    """This thread's parameter buffer (callers pack into slot[0]), the `extra` array that points
-    cuLaunchKernel at it, and an out-parameter for cuCtxGetCurrent: made once per thread."""
+    """This thread's parameter buffer (callers pack into slot[0]), the kernelParams arrays that
+    point into it (slot[1], one per layout of offsets), and an out-parameter for cuCtxGetCurrent:
+    made once per thread, not per call."""
     slot = getattr(_local, "slot", None)
     if slot is None:
-        buffer, size, current = ctypes.create_string_buffer(MAX_BYTES), ctypes.c_size_t(0), ctypes.c_void_p()
-        extra = (ctypes.c_void_p * 5)(
-            _PARAM_BUFFER_POINTER, ctypes.addressof(buffer), _PARAM_BUFFER_SIZE, ctypes.addressof(size), _PARAM_END
-        )
-        slot = _local.slot = (buffer, size, extra, current, ctypes.byref(current))
+        buffer, current = ctypes.create_string_buffer(MAX_BYTES), ctypes.c_void_p()
+        slot = _local.slot = (buffer, {}, current, ctypes.byref(current))
     return slot
+
+
+def param_pointers(slot, offsets: tuple[int, ...]):
+    """cuLaunchKernel's kernelParams: one pointer per parameter, into the slot's buffer. The driver
+    copies each parameter to the place the compiled kernel has for it, which is not always the
+    packed offset: a 64-byte-aligned CUtensorMap is aligned in the constant bank, whose parameter
+    space starts at 0x210, so the first one sits at 0x30 (cuobjdump -elf, EIATTR_KPARAM_INFO)."""
+    pointers = slot[1].get(offsets)
+    if pointers is None:
+        base = ctypes.addressof(slot[0])
+        pointers = slot[1][offsets] = (ctypes.c_void_p * len(offsets))(*(base + offset for offset in offsets))
+    return pointers
 
 
 # The current stream's raw handle. The private accessor skips building a torch.cuda.Stream object:
@@ -165,19 +174,17 @@ class Module:
         return function
 
 
-def launch(function, x: int, y: int, z: int, threads: int, smem: int, device: int, slot, params_size: int,
-           name: str) -> None:
+def launch(function, x: int, y: int, z: int, threads: int, smem: int, device: int, slot, pointers, name: str) -> None:
     """Launch `function` on `device`'s current stream: an (x, y, z) grid of blocks of `threads`
-    threads, `smem` bytes of dynamic shared memory, and the first `params_size` bytes of the slot's
-    parameter buffer as its parameters (packed by the caller)."""
+    threads, `smem` bytes of dynamic shared memory, and its parameters read through `pointers`
+    (param_pointers: into the slot's buffer, packed by the caller)."""
     lib = driver()
-    _, size, extra, current, current_ref = slot
-    size.value = params_size
+    _, _, current, current_ref = slot
     lib.cuCtxGetCurrent(current_ref)
     if current.value != _contexts[device]:  # PyTorch's context for this device is usually current
         make_current(device)
     result = lib.cuLaunchKernel(
-        function, x, y, z, threads, 1, 1, smem, ctypes.c_void_p(_current_stream(device)), None, extra
+        function, x, y, z, threads, 1, 1, smem, ctypes.c_void_p(_current_stream(device)), pointers, None
     )
     if result:
         check(lib, result, f"launching {name}")

@@ -61,9 +61,11 @@ class StubDriver:
         return 0
 
     def cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
-        buffer, size = ctypes.c_void_p(extra[1]).value, ctypes.c_size_t.from_address(extra[3]).value
+        """Reads each parameter through its kernelParams pointer, as the driver does."""
+        assert extra is None
+        values = [ctypes.string_at(pointer, 8) for pointer in params]  # every parameter here is 4 or 8 bytes
         self.launches.append({"function": function, "grid": (gx, gy, gz), "block": (bx, by, bz), "smem": smem,
-                              "stream": stream.value, "params": ctypes.string_at(buffer, size)})
+                              "stream": stream.value, "params": values})
         return 0
 
 
@@ -77,9 +79,10 @@ def driver(monkeypatch):
     return stub
 
 
-def unpack(spec, params_bytes) -> dict:
-    params = spec.family.params(spec)
-    return dict(zip([p.name for p in params.params], params.struct.unpack(params_bytes)))
+def unpack(spec, values) -> dict:
+    """Each parameter's value, from the bytes its kernelParams pointer showed."""
+    codes = {"ptr": "Q", "i64": "q", "int": "i", "float": "f"}
+    return {p.name: struct.unpack_from("=" + codes[p.kind], raw)[0] for p, raw in zip(spec.family.params(spec).params, values)}
 
 
 def test_forward_launch_packs_every_value_at_its_place(driver):
@@ -182,3 +185,28 @@ def test_grids_past_65535_heads_or_batches_run_in_slices(driver, stub_kernels, b
         assert values["heads"] == y and values["kv_group"] == heads // kv_heads
         covered += y * z
     assert covered == batch * heads and len(driver.launches) > 1
+
+
+def test_tensor_maps_reach_the_kernel_whole_through_their_own_pointers(driver, monkeypatch):
+    """kernelParams, not one packed blob: the compiled kernel keeps a 64-byte-aligned CUtensorMap
+    aligned in the constant bank (its parameter space starts at 0x210), so the first map sits at
+    0x30 there, not at 0; the driver puts each parameter where the kernel has it."""
+    from flashgen.families import hopper
+
+    monkeypatch.setattr(hopper, "_tensor_map", lambda t, rows: bytes([rows % 256]) * 64 + t.data_ptr().to_bytes(8, "little") * 8)
+    monkeypatch.setattr(hopper.HopperForward, "helpers", lambda self, spec: {"tensor_map": hopper._tensor_map})
+    spec = KernelSpec(head_dim=128, block_m=128, block_n=96, causal=True, kind="fwd_sm90")
+    q = torch.zeros(1, 2, 300, 128, dtype=torch.bfloat16)
+    k = torch.zeros(1, 1, 300, 128, dtype=torch.bfloat16)
+    o = torch.empty_like(q)
+    params = spec.family.params(spec)
+    captured = {}
+    monkeypatch.setattr(driver, "cuLaunchKernel", lambda *args: captured.setdefault("params", args[9]) and 0, raising=False)
+    Kernel(spec, b"").launch(-1, q=q, k=k, v=k, o=o, lse=None, scale=0.1)
+    pointers = captured["params"]
+    assert len(pointers) == len(params.params)
+    for param, pointer, (tensor, rows) in zip(params.params, pointers, [(q, 128), (k, 96), (k, 96), (o, 64)]):
+        assert param.kind == "tensormap"
+        assert ctypes.string_at(pointer, 128) == bytes([rows]) * 64 + tensor.data_ptr().to_bytes(8, "little") * 8
+    seqlen_q = struct.unpack("=i", ctypes.string_at(pointers[5], 4))[0]
+    assert seqlen_q == 300 and struct.unpack("=Q", ctypes.string_at(pointers[4], 8))[0] == 0  # lse: null
