@@ -4,10 +4,23 @@ newer."""
 
 from __future__ import annotations
 
-from ..params import Params, pointer, scalar, tensor
+from ..params import Param, Params, pointer, scalar, tensor
 from ..smem import Region, SmemLayout
 from ..spec import KernelSpec
 from .base import MmaTiles
+
+
+def forward_outputs_and_sizes() -> list[Param]:
+    """What every forward kernel takes after its inputs: the optional lse, the lengths, the head
+    counts, and the softmax scale in base 2 (the softmax runs in base 2)."""
+    return [
+        pointer("lse", "float*", optional=True),  # [batch, heads, seqlen_q] fp32, or null
+        scalar("seqlen_q", "int", "q.shape[2]"),
+        scalar("seqlen_k", "int", "k.shape[2]"),
+        scalar("heads", "int", "q.shape[1]"),
+        scalar("kv_group", "int", "q.shape[1] // k.shape[1]"),
+        scalar("scale_log2", "float", "scale * LOG2E"),
+    ]
 
 
 class MmaForward(MmaTiles):
@@ -27,13 +40,7 @@ class MmaForward(MmaTiles):
 
     def params(self, spec: KernelSpec) -> Params:
         return Params(self.arguments, [
-            *tensor("q"), *tensor("k"), *tensor("v"), *tensor("o", const=False),
-            pointer("lse", "float*", optional=True),
-            scalar("seqlen_q", "int", "q.shape[2]"),
-            scalar("seqlen_k", "int", "k.shape[2]"),
-            scalar("heads", "int", "q.shape[1]"),
-            scalar("kv_group", "int", "q.shape[1] // k.shape[1]"),
-            scalar("scale_log2", "float", "scale * LOG2E"),  # the softmax runs in base 2
+            *tensor("q"), *tensor("k"), *tensor("v"), *tensor("o", const=False), *forward_outputs_and_sizes(),
         ])
 
     def grid(self, spec: KernelSpec) -> str:

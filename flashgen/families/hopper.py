@@ -7,10 +7,11 @@ and ping-pong between the consumer warpgroups. O leaves through shared memory wi
 
 from __future__ import annotations
 
-from ..params import Params, pointer, scalar, tensormap
+from ..params import Params, tensormap
 from ..smem import Region, SmemLayout
 from ..spec import KernelSpec, SpecError
 from .base import Family
+from .forward import forward_outputs_and_sizes
 
 # Registers a consumer thread may hold in accumulators (S, O, and P packed), by consumer
 # warpgroups: setmaxnreg gives each 240 (two consumers) or 160 (three) registers.
@@ -75,12 +76,7 @@ class HopperForward(Family):
             tensormap("k_map", f"tensor_map(k, {spec.block_n})"),
             tensormap("v_map", f"tensor_map(v, {spec.block_n})"),
             tensormap("o_map", "tensor_map(o, 64)"),
-            pointer("lse", "float*", optional=True),
-            scalar("seqlen_q", "int", "q.shape[2]"),
-            scalar("seqlen_k", "int", "k.shape[2]"),
-            scalar("heads", "int", "q.shape[1]"),
-            scalar("kv_group", "int", "q.shape[1] // k.shape[1]"),
-            scalar("scale_log2", "float", "scale * LOG2E"),  # the softmax runs in base 2
+            *forward_outputs_and_sizes(),
         ])
 
     def helpers(self, spec: KernelSpec) -> dict:
