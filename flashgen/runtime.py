@@ -20,7 +20,6 @@ import torch
 from .params import MAX_BYTES
 
 _MAX_DYNAMIC_SMEM, _SMEM_CARVEOUT = 8, 9  # CUfunction_attribute values
-MAX_GRID_YZ = 65535  # a grid's largest y and z (x goes to 2**31 - 1)
 
 
 class CudaError(RuntimeError):
