@@ -1,7 +1,7 @@
 """The `flashgen` command: build | list | show | bench | cache | doctor.
 
 Thin by design: it parses options, calls the library, prints. Nothing lives only here. Only
-`bench` and `doctor` import torch; the rest start fast. Errors go to stderr with exit status 1.
+`bench`, `tune` and `doctor` import torch; the rest start fast. Errors go to stderr with exit status 1.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from .families import KINDS
-from .spec import ARCHS
+from .spec import ARCHS, SpecError
 
 console = Console()
 errors = Console(stderr=True)
@@ -39,6 +39,8 @@ def _ints(ctx, param, value):
 
 def _words(choices):
     def parse(ctx, param, value):
+        if value is None:
+            return None
         words = [w.strip() for w in str(value).split(",")]
         expanded = []
         for word in words:
@@ -132,7 +134,6 @@ def main():
 def build(out, jobs, with_backward, **options):
     """Compile kernels ahead of time into an importable folder."""
     from . import aot
-    from .spec import SpecError
 
     try:
         specs = specs_from_options(**options)
@@ -186,7 +187,6 @@ def _print_kernels(metas, title):
 def show(resources, **options):
     """Print the CUDA source flashgen renders for one spec."""
     from .render import render
-    from .spec import SpecError
 
     try:
         specs = specs_from_options(**options)
@@ -221,6 +221,51 @@ def bench(head_dims, seqlens, modes, json_path, markdown_path):
         _fail(error)
     if markdown_path:
         Path(markdown_path).write_text(benchmark.markdown(report))
+
+
+@main.command()
+@click.option("--d", "head_dims", default="64,128", show_default=True, callback=_ints)
+@click.option("--dtype", "dtypes", default="bf16", show_default=True, callback=_words(("bf16", "fp16")))
+@click.option("--mask", "masks", default="full,causal", show_default=True, callback=_words(("full", "causal")))
+@click.option("--kinds", default=None, callback=_words(KINDS),
+              help="only these kernel kinds (default: every kind the tables run on this GPU)")
+@click.option("--seqlen", default=4096, show_default=True, type=click.IntRange(min=128),
+              help="sequence length the candidates are timed at (16k tokens, model dim 2048)")
+@click.option("--out", type=click.Path(dir_okay=False), default=None,
+              help="the table to write [default: the one the package reads]")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="parallel compiles [default: CPUs]")
+@click.option("--dry-run", is_flag=True, help="list the problems and candidates, run nothing")
+def tune(head_dims, dtypes, masks, kinds, seqlen, out, jobs, dry_run):
+    """Time every candidate tile shape on this GPU (each checked against the reference first) and
+    write the fastest into the tuning table."""
+    import torch
+
+    from . import tune as tuner
+    from . import tuning
+
+    if not torch.cuda.is_available() and not dry_run:
+        _fail(RuntimeError("flashgen tune needs a CUDA GPU (--dry-run lists what it would run)"))
+    from .plans import device_arch
+
+    arch = device_arch(0) if torch.cuda.is_available() else "sm_90a"
+    try:
+        found = tuner.problems(head_dims, dtypes, [m == "causal" for m in masks], arch, kinds)
+    except SpecError as error:
+        _fail(error)
+    if dry_run:
+        for problem in found:
+            specs = tuner.candidates(problem)
+            click.echo(f"{problem.label()}: {len(specs)} candidates")
+        return
+    with Progress(console=errors, transient=True) as progress:
+        entries = tuner.tune(found, seqlen, jobs, progress=progress, log=lambda line: console.print(line, highlight=False))
+    path = Path(out) if out else tuning.table_path()
+    source = path if path.exists() else tuning.table_path()
+    doc = tuner.merge(json.loads(source.read_text()), entries)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(tuning.format_table(doc))
+    os.replace(tmp, path)  # a crash mid-write leaves the old table whole
+    click.echo(f"wrote {len(entries)} tuned entr{'y' if len(entries) == 1 else 'ies'} to {path}")
 
 
 @main.group()

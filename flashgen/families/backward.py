@@ -83,6 +83,7 @@ class KeyMajorBackward(_BackwardTiles):
     template = "attention_bwd.cu.j2"
     owner = "block_n"
     arguments = ("q", "k", "v", "d_o", "lse_log2", "delta", "dk", "dv", "dq_accum", "scale")
+    tune_space = {"block_m": (16, 32, 64, 128), "block_n": (64, 128), "num_warps": (4, 8), "num_stages": (2, 3)}
 
     @staticmethod
     def grads(spec: KernelSpec) -> str:
@@ -166,6 +167,7 @@ class QueryMajorBackward(_BackwardTiles):
     template = "attention_bwd_q.cu.j2"
     owner = "block_m"
     arguments = ("q", "k", "v", "d_o", "lse_log2", "delta", "dq", "scale")
+    tune_space = {"block_m": (32, 64, 128), "block_n": (32, 64), "num_warps": (2, 4), "num_stages": (2,)}
 
     def accumulators(self, spec: KernelSpec) -> int:
         return self.rows_per_warp(spec) // 16 * (spec.head_dim_pad // 2 + spec.block_n)  # S, dP and dQ

@@ -35,6 +35,7 @@ class Family:
     fields: tuple[str, ...] = tuple(NAME_PARTS)  # the spec fields the kernel's code depends on
     arguments: tuple[str, ...] = ()  # the launch's named arguments, from which parameters are computed
     forward = False  # a forward kernel: what attention() runs and `flashgen build` makes importable
+    tune_space: dict[str, tuple] = {}  # the tile fields `flashgen tune` sweeps, and their values
 
     # ---- which specs ---------------------------------------------------------------------------
 

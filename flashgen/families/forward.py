@@ -29,6 +29,7 @@ class MmaForward(MmaTiles):
     owner = "block_m"
     arguments = ("q", "k", "v", "o", "lse", "scale")
     forward = True
+    tune_space = {"block_m": (64, 128), "block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3)}
 
     def accumulators(self, spec: KernelSpec) -> int:
         return self.rows_per_warp(spec) // 16 * (spec.head_dim_pad + spec.block_n) // 2  # S and O

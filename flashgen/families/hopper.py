@@ -30,6 +30,7 @@ class HopperForward(Family):
     fields = ("head_dim", "block_m", "block_n", "dtype", "causal", "num_stages", "arch")
     arguments = ("q", "k", "v", "o", "lse", "scale")
     forward = True
+    tune_space = {"block_m": (128, 192), "block_n": (64, 80, 96, 112, 128, 144, 160, 176), "num_stages": (2, 3)}
 
     @staticmethod
     def consumers(spec: KernelSpec) -> int:

@@ -1,0 +1,215 @@
+"""`flashgen tune`: measure candidate tile shapes on this GPU and write the tuning table.
+
+For every (kind, head dim, dtype, causal, length bucket) asked for, each candidate the kind's family
+offers (`Family.tune_space`) that is a valid spec is compiled, run through `flashgen.attention`
+with the candidate put ahead of the table (`tuning.override`), checked against the fp32 reference
+by the numerics rule, and only then timed at the bench's shapes (16k tokens, model dim 2048). The
+fastest shapes become one exact table entry, fastest first, with the numbers that chose them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+
+import torch
+
+from . import bench, tuning
+from .reference import naive_attention
+from .spec import KernelSpec, SpecError
+
+TOP = 3  # shapes kept per entry: the best, and fallbacks for targets where it is not valid
+CHECK_SHAPE = {"long": (2, 3, 200, 333), "short": (2, 3, 37, 333)}  # batch, heads, Tq, Tk: odd on purpose
+TIMED_SEQLEN_Q = {"long": None, "short": 64}  # None: the timing length itself
+
+
+@dataclass
+class Problem:
+    """One tuning table key."""
+
+    kind: str
+    head_dim: int
+    dtype: str
+    causal: bool
+    arch: str
+    bucket: str  # "long" or "short" (query rows <= tuning.SHORT_QUERY)
+
+    @property
+    def backward(self) -> bool:
+        return self.kind.startswith("bwd")
+
+    @property
+    def deterministic(self) -> bool:
+        """The backward mode whose kernels include this kind."""
+        bound = 128 if self.head_dim <= 128 else 256
+        return self.backward and self.kind not in tuning.BACKWARD_KINDS[(bound, False)]
+
+    def label(self) -> str:
+        mask = "causal" if self.causal else "full"
+        return f"{self.kind} d={self.head_dim} {self.dtype} {mask} {self.bucket}"
+
+
+def problems(head_dims, dtypes, causals, arch: str, kinds=None) -> list[Problem]:
+    """The kinds the tables run on `arch` (forward for long and short queries, every backward
+    piece of both modes), or just `kinds`."""
+    found = []
+    for head_dim, dtype, causal in itertools.product(head_dims, dtypes, causals):
+        picked = [(tuning.forward_spec(head_dim, dtype, causal, arch, t).kind, tuning.bucket_name(t)) for t in (4096, 1)]
+        for deterministic in (False, True):
+            picked += [(s.kind, "*") for s in tuning.backward_specs(head_dim, dtype, causal, arch, deterministic)]
+        for kind, bucket in dict.fromkeys(picked):
+            if kinds is None or kind in kinds:
+                found.append(Problem(kind, head_dim, dtype, causal, arch, "long" if bucket == "*" else bucket))
+    return found
+
+
+def candidates(problem: Problem) -> list[KernelSpec]:
+    """Every valid spec in the family's tuning space for this problem."""
+    from .families import family
+
+    space = family(problem.kind).tune_space
+    specs = []
+    for values in itertools.product(*space.values()):
+        try:
+            specs.append(KernelSpec(head_dim=problem.head_dim, dtype=problem.dtype, causal=problem.causal,
+                                    arch=problem.arch, kind=problem.kind, **dict(zip(space, values))))
+        except SpecError:
+            continue
+    return specs
+
+
+def entry_for(problem: Problem, tiles: list[dict], **extra) -> dict:
+    return {
+        "kind": problem.kind, "arch": problem.arch, "head_dim": problem.head_dim, "dtype": problem.dtype,
+        "causal": problem.causal, "bucket": "*" if problem.backward else problem.bucket, "tiles": tiles, **extra,
+    }
+
+
+def tiles_of(spec: KernelSpec) -> dict:
+    from .families import family
+
+    return {field: getattr(spec, field) for field in family(spec.kind).tune_space}
+
+
+def check(problem: Problem) -> str | None:
+    """None when the overridden kernels agree with the reference by the numerics rule, else why not."""
+    batch, heads, seqlen_q, seqlen_k = CHECK_SHAPE[problem.bucket]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[problem.dtype]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(batch, heads, seqlen_q, problem.head_dim, device="cuda", dtype=dtype, generator=gen)
+    k, v = (torch.randn(batch, heads, seqlen_k, problem.head_dim, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
+    d_o = torch.randn_like(q)
+
+    def grads(fn, dtype=dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        if not problem.backward:
+            return [out]
+        out.backward(d_o.to(dtype))
+        return [t.grad for t in leaves]
+
+    from .api import attention
+
+    got = grads(lambda a, b, c: attention(a, b, c, causal=problem.causal, deterministic=problem.deterministic))
+    ref = grads(lambda a, b, c: naive_attention(a, b, c, problem.causal)[0], torch.float32)
+    ref_lp = grads(lambda a, b, c: naive_attention(a, b, c, problem.causal, upcast=False)[0])
+    factor = 3 if problem.backward else 2
+    for name, g, r, r_lp in zip(("dq", "dk", "dv") if problem.backward else ("out",), got, ref, ref_lp):
+        error = (g.float() - r.float()).abs().max().item()
+        bound = factor * (r_lp.float() - r.float()).abs().max().item() + 1e-5
+        if not error <= bound:  # NaN fails too
+            return f"{name}: max error {error:.3g} > {bound:.3g}"
+    return None
+
+
+def measure(problem: Problem, seqlen: int) -> float:
+    """TFLOPS of the problem's pass at the bench's shapes (16k tokens, model dim 2048)."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[problem.dtype]
+    q, k, v = bench._inputs(seqlen, problem.head_dim, dtype)
+    if TIMED_SEQLEN_Q[problem.bucket]:
+        q = q[:, :, : TIMED_SEQLEN_Q[problem.bucket]].contiguous()
+    from .api import attention
+
+    def run(q, k, v, causal):
+        return attention(q, k, v, causal=causal, deterministic=problem.deterministic)
+
+    batch, heads, seqlen_q, _ = q.shape
+    mode = "bwd" if problem.backward else "fwd"
+    flops = bench.MODES[mode] * bench.forward_flops(batch, heads, seqlen_q, seqlen, problem.head_dim, problem.causal)
+    fn = bench._timer(run, q, k, v, problem.causal, mode)
+    return flops / bench.time_ms(fn) / 1e9
+
+
+def _compile(canonical: str) -> None:
+    from .cache import default_cache
+
+    default_cache().get(KernelSpec.from_json(canonical))
+
+
+def precompile(specs: list[KernelSpec], jobs: int | None = None) -> dict[KernelSpec, str]:
+    """Compile every spec into the disk cache in parallel processes (spawned: this one holds a CUDA
+    context); the specs that failed, with why."""
+    failed = {}
+    with ProcessPoolExecutor(max_workers=jobs or os.cpu_count(), mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_compile, spec.canonical()): spec for spec in specs}
+        for future in as_completed(futures):
+            if future.exception() is not None:
+                failed[futures[future]] = str(future.exception()).splitlines()[0][:200]
+    return failed
+
+
+def tune(found: list[Problem], seqlen: int = 4096, jobs: int | None = None, progress=None, log=print) -> list[dict]:
+    """Measure every candidate of every problem; the table entries, one per problem that had a
+    candidate pass its check."""
+    from . import kernels
+
+    entries = []
+    plans = [(problem, candidates(problem)) for problem in found]
+    failed = precompile(list(dict.fromkeys(s for _, specs in plans for s in specs)), jobs)
+    for spec, why in failed.items():
+        log(f"{spec.name}: does not compile ({why})")
+    plans = [(problem, [s for s in specs if s not in failed]) for problem, specs in plans]
+    task = progress.add_task("tuning", total=sum(len(c) for _, c in plans)) if progress else None
+    for problem, specs in plans:
+        results = []
+        for spec in specs:
+            try:
+                kernels.get(spec)  # load first, so a failure to load is named as one
+                with tuning.override([entry_for(problem, [tiles_of(spec)])]):
+                    why = check(problem)
+                    tflops = measure(problem, seqlen) if why is None else None
+            except Exception as error:  # a compile error or a launch failure rules the candidate out
+                why, tflops = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}", None
+            if why:
+                log(f"{problem.label()}: {spec.name} rejected ({why})")
+            else:
+                results.append((tflops, spec))
+            if progress:
+                progress.advance(task)
+        if not results:
+            log(f"{problem.label()}: no candidate passed; the table keeps its entry")
+            continue
+        results.sort(key=lambda r: -r[0])
+        best = results[:TOP]
+        log(f"{problem.label()}: " + ", ".join(f"{s.name} {t:.0f}" for t, s in best) + " TFLOPS")
+        entries.append(entry_for(
+            problem, [tiles_of(s) for _, s in best],
+            source=f"flashgen tune on {torch.cuda.get_device_name()}, {datetime.date.today()}, T={seqlen}",
+            tflops=[round(t, 1) for t, _ in best],
+        ))
+    return entries
+
+
+def merge(doc: dict, entries: list[dict]) -> dict:
+    """The table with `entries` in place of entries of the same key (kind, arch, head dim, dtype,
+    causal, bucket), tuned entries first."""
+    def key(entry):
+        return tuple(entry[f] for f in tuning.KEY_FIELDS)
+
+    replaced = {key(e) for e in entries}
+    kept = [e for e in doc["entries"] if key(e) not in replaced]
+    return {**doc, "entries": entries + kept}

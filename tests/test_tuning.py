@@ -1,0 +1,132 @@
+"""The tuning table: its format, how problems find their entries, and `flashgen tune`'s pieces."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from flashgen import tune, tuning
+from flashgen.cli import main
+from flashgen.families import BY_KIND
+from flashgen.spec import KernelSpec
+
+
+def test_table_is_well_formed_and_written_canonically():
+    text = tuning.TABLE_PATH.read_text()
+    doc = json.loads(text)
+    assert tuning.format_table(doc) == text  # a re-tune rewrites it in the same form
+    for entry in doc["entries"]:
+        assert entry["kind"] in BY_KIND, entry
+        assert set(tuning.KEY_FIELDS) | {"tiles", "source"} <= set(entry), entry
+        assert entry["causal"] in (True, False, "*") and entry["dtype"] in ("bf16", "fp16", "*")
+        assert entry["bucket"] in ("short", "long", "*")
+        for tiles in entry["tiles"]:
+            assert set(tiles) <= set(tuning.TILE_FIELDS), tiles
+
+
+def _entry(kind="fwd", head_dim=64, tiles=None, **fields):
+    base = {"kind": kind, "arch": "*", "head_dim": head_dim, "dtype": "*", "causal": "*", "bucket": "*",
+            "tiles": tiles or [{"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2}], "source": "test"}
+    return {**base, **fields}
+
+
+@pytest.fixture
+def table(monkeypatch):
+    """A private table the tuning module reads instead of the shipped one."""
+    doc = {"about": "test", "entries": []}
+    monkeypatch.setattr(tuning, "_table", doc)
+    yield doc["entries"]
+    tuning.reload()
+
+
+def test_exact_entries_beat_wildcards_and_the_smallest_bound_wins(table):
+    wide = {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 2}
+    exact = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
+    table += [_entry(head_dim=128, tiles=[wide]),
+              _entry(head_dim=128, tiles=[exact], arch="sm_90a", dtype="bf16", causal=True, bucket="long")]
+    spec = tuning.mma_forward_spec(96, "bf16", True, "sm_90a", seqlen_q=4096)
+    assert (spec.block_m, spec.num_stages) == (64, 3)
+    # another dtype, mask or target matches only the wildcard entry
+    assert tuning.mma_forward_spec(96, "fp16", True, "sm_90a", seqlen_q=4096).block_m == 128
+    assert tuning.mma_forward_spec(96, "bf16", False, "sm_90a", seqlen_q=4096).block_m == 128
+    assert tuning.mma_forward_spec(96, "bf16", True, "sm_80", seqlen_q=4096).block_m == 128
+    # a smaller bound covering the head dim wins over a more exact larger one
+    table.append(_entry(head_dim=64))
+    assert tuning.mma_forward_spec(64, "bf16", True, "sm_90a", seqlen_q=4096).block_n == 32
+
+
+def test_invalid_shapes_fall_through_to_the_next(table):
+    too_big = {"block_m": 256, "block_n": 256, "num_warps": 4, "num_stages": 3}  # 64 rows per warp: not a valid spec
+    table += [_entry(head_dim=64, tiles=[too_big]), _entry(head_dim=256)]
+    spec = tuning.mma_forward_spec(64, "bf16", False, "sm_90a", seqlen_q=4096)
+    assert (spec.block_m, spec.block_n) == (64, 32)
+
+
+def test_no_entry_is_a_named_error(table):
+    with pytest.raises(ValueError, match="no fwd tile shape fits head_dim=64 on sm_90a"):
+        tuning.mma_forward_spec(64, "bf16", False, "sm_90a", seqlen_q=4096)
+
+
+def test_override_goes_first_and_is_undone(table):
+    table.append(_entry())
+    override = _entry(tiles=[{"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2}], arch="sm_80")
+    with tuning.override([override]):
+        assert tuning.mma_forward_spec(64, "bf16", False, "sm_80", seqlen_q=4096).num_warps == 8
+    assert tuning.mma_forward_spec(64, "bf16", False, "sm_80", seqlen_q=4096).num_warps == 4
+
+
+def test_environment_names_another_table(tmp_path, monkeypatch):
+    path = tmp_path / "mine.json"
+    path.write_text(tuning.format_table({"about": "mine", "entries": [_entry(head_dim=256)]}))
+    monkeypatch.setenv(tuning.TABLE_ENV, str(path))
+    tuning.reload()
+    try:
+        assert tuning.table()["about"] == "mine"
+        assert tuning.mma_forward_spec(128, "bf16", False, "sm_90a", seqlen_q=9).block_n == 32
+    finally:
+        monkeypatch.delenv(tuning.TABLE_ENV)
+        tuning.reload()
+
+
+def test_problems_cover_what_the_tables_run():
+    found = tune.problems([128], ["bf16"], [True], "sm_90a")
+    kinds = {p.kind for p in found}
+    assert {"fwd_sm90", "fwd", "bwd_kv", "bwd_q", "bwd_kvq"} <= kinds
+    short = [p for p in found if p.kind == "fwd"]
+    assert [p.bucket for p in short] == ["short"]
+    assert next(p for p in found if p.kind == "bwd_q").deterministic
+    assert not next(p for p in found if p.kind == "bwd_kvq").deterministic
+    assert not next(p for p in found if p.kind == "fwd_sm90").deterministic
+
+
+@pytest.mark.parametrize("kind", ["fwd", "fwd_sm90", "bwd_kvq", "bwd_q"])
+def test_candidates_are_valid_specs_of_the_kind(kind):
+    problem = tune.Problem(kind, 128, "bf16", True, "sm_90a", "long")
+    specs = tune.candidates(problem)
+    assert len(specs) > 3
+    assert all(isinstance(s, KernelSpec) and s.kind == kind and s.head_dim == 128 for s in specs)
+    assert len(set(specs)) == len(specs)
+
+
+def test_merge_replaces_entries_of_the_same_key():
+    problem = tune.Problem("fwd_sm90", 128, "bf16", True, "sm_90a", "long")
+    old = tune.entry_for(problem, [{"block_m": 128, "block_n": 64, "num_stages": 2}], source="old")
+    other = tune.entry_for(tune.Problem("fwd_sm90", 64, "bf16", True, "sm_90a", "long"), [], source="other")
+    new = tune.entry_for(problem, [{"block_m": 192, "block_n": 96, "num_stages": 2}], source="new")
+    merged = tune.merge({"about": "x", "entries": [old, other]}, [new])
+    assert [e["source"] for e in merged["entries"]] == ["new", "other"]
+
+
+def test_cli_dry_run_lists_problems_without_a_gpu():
+    result = CliRunner().invoke(main, ["tune", "--d", "64", "--mask", "causal", "--kinds", "fwd_sm90", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "fwd_sm90 d=64 bf16 causal long: 26 candidates" in result.output
+
+
+def test_cli_refuses_to_tune_without_a_gpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    result = CliRunner().invoke(main, ["tune", "--d", "64"])
+    assert result.exit_code == 1 and "needs a CUDA GPU" in result.output
