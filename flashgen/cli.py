@@ -211,16 +211,44 @@ def show(resources, **options):
 @click.option("--modes", default="fwd,bwd,fwd+bwd", show_default=True, callback=_words(("fwd", "bwd", "fwd+bwd")))
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="also write the numbers here")
 @click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False), help="also write the tables here, as Markdown")
-def bench(head_dims, seqlens, modes, json_path, markdown_path):
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="also draw the tables here (.png, .svg, .pdf)")
+def bench(head_dims, seqlens, modes, json_path, markdown_path, plot_path):
     """flashgen next to SDPA's FLASH, CUDNN and EFFICIENT backends, in TFLOPS."""
     from . import bench as benchmark
 
+    if plot_path:
+        _need_matplotlib()  # before minutes of timing, not after
     try:
         report = benchmark.run(head_dims=head_dims, seqlens=seqlens, modes=modes, json_path=json_path, console=console)
     except RuntimeError as error:
         _fail(error)
     if markdown_path:
         Path(markdown_path).write_text(benchmark.markdown(report))
+    if plot_path:
+        from .plot import plot as draw
+
+        click.echo(f"wrote {draw(report, plot_path)}")
+
+
+@main.command()
+@click.argument("report", type=click.Path(exists=True, dir_okay=False))
+@click.argument("picture", type=click.Path(dir_okay=False))
+def plot(report, picture):
+    """Draw a saved `flashgen bench --json` REPORT as charts into PICTURE (.png, .svg, .pdf)."""
+    _need_matplotlib()
+    from .plot import plot_file
+
+    try:
+        click.echo(f"wrote {plot_file(report, picture)}")
+    except (ValueError, KeyError, json.JSONDecodeError) as error:
+        _fail(ValueError(f"{report}: not a flashgen bench report ({type(error).__name__}: {error})"))
+
+
+def _need_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        _fail(RuntimeError("drawing needs matplotlib: pip install matplotlib (or flashgen[plot])"))
 
 
 @main.command()

@@ -2,6 +2,7 @@
 the build folder it writes loads, and checks, with no GPU."""
 
 import importlib.util
+import json
 import os
 import stat
 import subprocess
@@ -331,3 +332,29 @@ def test_generated_folder_holds_its_readme_and_loader_and_ignores_builds():
     assert ignored.stdout.split() == built
     tracked = subprocess.run(["git", "ls-files", "generated"], capture_output=True, text=True, cwd=ROOT).stdout.split()
     assert tracked == ["generated/README.md", "generated/__init__.py"]
+
+
+def _report(tmp_path):
+    rows = [{"d": d, "causal": c, "T": t, "flashgen": 300.0 + t / 100, "flash": 250.0, "cudnn": 320.0, "efficient": None}
+            for d in (64, 128) for c in (False, True) for t in (512, 1024, 2048)]
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps({"gpu": "test GPU", "date": "2026-12-02", "tables": {"fwd": rows, "bwd": rows[:6]}}))
+    return path
+
+
+def test_plot_draws_a_saved_report(tmp_path):
+    picture = tmp_path / "bench.png"
+    result = CliRunner().invoke(cli.main, ["plot", str(_report(tmp_path)), str(picture)])
+    assert result.exit_code == 0, result.output
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from PIL import Image
+
+    width, height = Image.open(picture).size
+    assert width > 4 * height / 2  # four panels (d x mask) across, two modes down
+
+
+def test_plot_names_a_file_that_is_not_a_report(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"gpu": "x"}')
+    result = CliRunner().invoke(cli.main, ["plot", str(bad), str(tmp_path / "x.png")])
+    assert result.exit_code == 1 and "not a flashgen bench report" in result.output
