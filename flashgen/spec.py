@@ -70,6 +70,8 @@ class KernelSpec:
     num_stages: tiles in flight in shared memory (2 or 3).
     arch:       compile target, e.g. "sm_90a" (H100/H200) or "sm_80" (A100).
     kind:       which kernel: "fwd", a backward piece, or the backward's prep (see families.KINDS).
+    persistent: one block per SM walking the tiles (the longest causal rows first) instead of one
+                block per tile (Hopper forward).
     """
 
     head_dim: int
@@ -81,6 +83,7 @@ class KernelSpec:
     num_stages: int = 2
     arch: str = "sm_90a"
     kind: str = "fwd"
+    persistent: bool = False
 
     def __post_init__(self):
         from .families import KINDS
@@ -92,8 +95,9 @@ class KernelSpec:
             raise SpecError(f"kind={self.kind!r}: must be one of {', '.join(KINDS)}")
         if self.dtype not in DTYPES:
             raise SpecError(f"dtype={self.dtype!r}: must be one of {', '.join(DTYPES)}")
-        if not isinstance(self.causal, bool):
-            raise SpecError(f"causal={self.causal!r}: must be True or False")
+        for field in ("causal", "persistent"):
+            if not isinstance(getattr(self, field), bool):
+                raise SpecError(f"{field}={getattr(self, field)!r}: must be True or False")
         if self.arch not in SMEM_LIMIT:
             raise SpecError(f"arch={self.arch!r}: must be one of {', '.join(ARCHS)}")
         self.family.validate(self)

@@ -34,6 +34,7 @@ def test_shipped_spec_compiles_without_spills(spec):
 
 # One Hopper forward per head-dim bucket (the sweep above compiles all of them).
 HOPPER = [tuning.tuned_spec("fwd_sm90", d, "bf16", c, "sm_90a") for d, c in ((64, False), (96, True), (192, False), (256, True))]
+HOPPER += [spec.replace(persistent=True) for spec in HOPPER[::3]]
 
 
 @pytest.mark.parametrize("spec", HOPPER, ids=lambda spec: spec.name)

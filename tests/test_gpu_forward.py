@@ -12,6 +12,7 @@ from conftest import run_prebuilt
 
 import flashgen
 from flashgen import tuning
+from flashgen.spec import KernelSpec
 from flashgen.reference import naive_attention
 
 pytestmark = pytest.mark.gpu
@@ -259,6 +260,23 @@ def test_the_mma_sync_forward_still_runs_on_hopper_when_asked_for(head_dim):
     q, k, v = make_qkv(2, 4, 2, 1000, 1100, head_dim, torch.bfloat16)
     out, lse = call(q, k, v, True, None, True, False, spec=spec)
     check_against_reference(q, k, v, True, out, lse)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim,block_m,block_n", [(64, 192, 128), (96, 128, 128), (128, 128, 128), (256, 128, 80)])
+def test_persistent_hopper_forward(head_dim, block_m, block_n, causal):
+    """One block per SM walking the tiles: more tiles than SMs (each block takes several, its
+    barriers' phases carried from tile to tile), odd lengths, Tq != Tk, GQA, and fewer tiles than SMs."""
+    from flashgen.api import call
+    from flashgen.plans import device_arch
+
+    if device_arch(0) != "sm_90a":
+        pytest.skip("the Hopper family needs sm_90a")
+    spec = KernelSpec(head_dim=head_dim, block_m=block_m, block_n=block_n, causal=causal, kind="fwd_sm90", persistent=True)
+    for batch, heads, kv_heads, seqlen_q, seqlen_k in ((3, 16, 4, 1999, 2049), (1, 2, 1, 130, 77), (2, 40, 40, 257, 257)):
+        q, k, v = make_qkv(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, torch.bfloat16, seed=seqlen_q + head_dim)
+        out, lse = call(q, k, v, causal, None, True, False, spec=spec)
+        check_against_reference(q, k, v, causal, out, lse)
 
 
 def test_prebuilt_hopper_module_runs_without_a_compiler(tmp_path):

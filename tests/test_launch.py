@@ -19,6 +19,7 @@ from flashgen.spec import KernelSpec
 ONE_OF_EACH_KIND = [
     KernelSpec(head_dim=64, causal=True),
     KernelSpec(head_dim=96, block_m=128, block_n=128, causal=True, kind="fwd_sm90"),
+    KernelSpec(head_dim=128, block_m=128, block_n=128, causal=True, kind="fwd_sm90", persistent=True),
     tuning.backward_prep(96, "fp16", "sm_90a"),
     *(tuning.tuned_spec(kind, 128, "bf16", True, "sm_90a") for kind in ("bwd_kvq", "bwd_kv", "bwd_q")),
     *(tuning.tuned_spec(kind, 256, "bf16", False, "sm_90a") for kind in ("bwd_v", "bwd_kq", "bwd_k")),

@@ -24,6 +24,7 @@ NAME_PARTS = {
     "num_warps": "w{}",
     "num_stages": "s{}",
     "arch": None,  # sm_90a -> sm90a
+    "persistent": None,  # "persistent", or nothing
 }
 
 
@@ -68,6 +69,8 @@ class Family:
                     parts.append("causal" if value else "full")
                 elif field == "arch":
                     parts.append(value.replace("_", ""))
+                elif field == "persistent":
+                    parts += ["persistent"] if value else []
                 else:
                     parts.append(form.format(value))
         return "_".join(parts)

@@ -7,9 +7,9 @@ and ping-pong between the consumer warpgroups. O leaves through shared memory wi
 
 from __future__ import annotations
 
-from ..params import Params, tensormap
+from ..params import Params, scalar, tensormap
 from ..smem import Region, SmemLayout
-from ..spec import KernelSpec, SpecError
+from ..spec import SMEM_LIMIT, KernelSpec, SpecError
 from .base import Family
 from .forward import forward_outputs_and_sizes
 
@@ -24,13 +24,27 @@ def _tensor_map(t, box_rows):
     return tensor_map(t, box_rows)
 
 
+_sm_counts: dict[int, int] = {}
+
+
+def _sm_count(t) -> int:
+    """Streaming multiprocessors of the tensor's GPU: the persistent grid's size."""
+    count = _sm_counts.get(t.device.index)
+    if count is None:
+        import torch
+
+        count = _sm_counts[t.device.index] = torch.cuda.get_device_properties(t.device).multi_processor_count
+    return count
+
+
 class HopperForward(Family):
     kinds = ("fwd_sm90",)
     template = "attention_fwd_sm90.cu.j2"
-    fields = ("head_dim", "block_m", "block_n", "dtype", "causal", "num_stages", "arch")
+    fields = ("head_dim", "block_m", "block_n", "dtype", "causal", "num_stages", "arch", "persistent")
     arguments = ("q", "k", "v", "o", "lse", "scale")
     forward = True
-    tune_space = {"block_m": (128, 192), "block_n": (64, 80, 96, 112, 128, 144, 160, 176), "num_stages": (2, 3)}
+    tune_space = {"block_m": (128, 192), "block_n": (64, 80, 96, 112, 128, 144, 160, 176), "num_stages": (2, 3),
+                  "persistent": (False, True)}
 
     @staticmethod
     def consumers(spec: KernelSpec) -> int:
@@ -64,12 +78,19 @@ class HopperForward(Family):
     def smem(self, spec: KernelSpec) -> SmemLayout:
         chunks = self.head_dim_pad(spec) // 64  # each [rows][64] elements, 128 bytes a row
         kv_tiles = spec.num_stages * chunks * spec.block_n * 128
-        return SmemLayout([
-            Region("q", chunks * spec.block_m * 128, align=1024),
+        q_tile = chunks * spec.block_m * 128
+        regions = [
+            Region("q", q_tile, align=1024),
             Region("k", kv_tiles, align=1024),
             Region("v", kv_tiles, align=1024),
             Region("bar", 8 * (2 + 4 * spec.num_stages), align=8),  # mbarriers
-        ])
+        ]
+        if spec.persistent:
+            # O staged apart from Q, where it fits, so the next tile's Q loads during this one's store
+            with_o = SmemLayout([*regions, Region("o", q_tile, align=1024)])
+            if with_o.size <= SMEM_LIMIT[spec.arch]:
+                return with_o
+        return SmemLayout(regions)
 
     def params(self, spec: KernelSpec) -> Params:
         return Params(self.arguments, [
@@ -78,13 +99,20 @@ class HopperForward(Family):
             tensormap("v_map", f"tensor_map(v, {spec.block_n})"),
             tensormap("o_map", "tensor_map(o, 64)"),
             *forward_outputs_and_sizes(),
+            *([scalar("num_tiles", "int", self._tiles(spec))] if spec.persistent else []),
         ])
 
     def helpers(self, spec: KernelSpec) -> dict:
-        return {"tensor_map": _tensor_map}
+        return {"tensor_map": _tensor_map, "sm_count": _sm_count}
+
+    @staticmethod
+    def _tiles(spec: KernelSpec) -> str:
+        return f"-(-q.shape[2] // {spec.block_m}) * q.shape[1] * q.shape[0]"
 
     def grid(self, spec: KernelSpec) -> str:
+        if spec.persistent:  # one block per SM (fewer if there are fewer tiles), each walking tiles
+            return f"(min({self._tiles(spec)}, sm_count(q)), 1, 1)"
         return f"(-(-q.shape[2] // {spec.block_m}), q.shape[1], q.shape[0])"
 
     def context(self, spec: KernelSpec) -> dict:
-        return {**super().context(spec), "wgmma": True, "persistent": False}
+        return {**super().context(spec), "wgmma": True}
