@@ -257,13 +257,13 @@ def _need_matplotlib() -> None:
 @click.option("--mask", "masks", default="full,causal", show_default=True, callback=_words(("full", "causal")))
 @click.option("--kinds", default=None, callback=_words(KINDS),
               help="only these kernel kinds (default: every kind the tables run on this GPU)")
-@click.option("--seqlen", default=4096, show_default=True, type=click.IntRange(min=128),
-              help="sequence length the candidates are timed at (16k tokens, model dim 2048)")
+@click.option("--seqlens", default="2048,8192,16384", show_default=True, callback=_ints,
+              help="sequence lengths the candidates are timed at (16k tokens, model dim 2048); they rank by the geometric mean")
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
               help="the table to write [default: the one the package reads]")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="parallel compiles [default: CPUs]")
 @click.option("--dry-run", is_flag=True, help="list the problems and candidates, run nothing")
-def tune(head_dims, dtypes, masks, kinds, seqlen, out, jobs, dry_run):
+def tune(head_dims, dtypes, masks, kinds, seqlens, out, jobs, dry_run):
     """Time every candidate tile shape on this GPU (each checked against the reference first) and
     write the fastest into the tuning table."""
     import torch
@@ -286,7 +286,7 @@ def tune(head_dims, dtypes, masks, kinds, seqlen, out, jobs, dry_run):
             click.echo(f"{problem.label()}: {len(specs)} candidates")
         return
     with Progress(console=errors, transient=True) as progress:
-        entries = tuner.tune(found, seqlen, jobs, progress=progress, log=lambda line: console.print(line, highlight=False))
+        entries = tuner.tune(found, seqlens, jobs, progress=progress, log=lambda line: console.print(line, highlight=False))
     path = Path(out) if out else tuning.table_path()
     source = path if path.exists() else tuning.table_path()
     doc = tuner.merge(json.loads(source.read_text()), entries)

@@ -3,8 +3,9 @@
 For every (kind, head dim, dtype, causal, length bucket) asked for, each candidate the kind's family
 offers (`Family.tune_space`) that is a valid spec is compiled, run through `flashgen.attention`
 with the candidate put ahead of the table (`tuning.override`), checked against the fp32 reference
-by the numerics rule, and only then timed at the bench's shapes (16k tokens, model dim 2048). The
-fastest shapes become one exact table entry, fastest first, with the numbers that chose them.
+by the numerics rule, and only then timed at the bench's shapes (16k tokens, model dim 2048) at a
+few sequence lengths. The shapes with the best geometric mean over those lengths become one exact
+table entry, best first, with the numbers that chose them.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import datetime
 import itertools
 import multiprocessing
 import os
+import statistics
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 
@@ -126,6 +128,14 @@ def check(problem: Problem) -> str | None:
     return None
 
 
+def runs(problem: Problem, spec: KernelSpec) -> bool:
+    """Whether the tables, with the override in place, run `spec` for the problem."""
+    if problem.backward:
+        return spec in tuning.backward_specs(problem.head_dim, problem.dtype, problem.causal, problem.arch, problem.deterministic)
+    seqlen_q = CHECK_SHAPE[problem.bucket][2]
+    return spec == tuning.forward_spec(problem.head_dim, problem.dtype, problem.causal, problem.arch, seqlen_q)
+
+
 def measure(problem: Problem, seqlen: int) -> float:
     """TFLOPS of the problem's pass at the bench's shapes (16k tokens, model dim 2048)."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[problem.dtype]
@@ -162,7 +172,10 @@ def precompile(specs: list[KernelSpec], jobs: int | None = None) -> dict[KernelS
     return failed
 
 
-def tune(found: list[Problem], seqlen: int = 4096, jobs: int | None = None, progress=None, log=print) -> list[dict]:
+SEQLENS = (2048, 8192, 16384)
+
+
+def tune(found: list[Problem], seqlens=SEQLENS, jobs: int | None = None, progress=None, log=print) -> list[dict]:
     """Measure every candidate of every problem; the table entries, one per problem that had a
     candidate pass its check."""
     from . import kernels
@@ -180,14 +193,15 @@ def tune(found: list[Problem], seqlen: int = 4096, jobs: int | None = None, prog
             try:
                 kernels.get(spec)  # load first, so a failure to load is named as one
                 with tuning.override([entry_for(problem, [tiles_of(spec)])]):
-                    why = check(problem)
-                    tflops = measure(problem, seqlen) if why is None else None
+                    why = None if runs(problem, spec) else "the tables would not run it for this problem"
+                    why = why or check(problem)
+                    tflops = None if why else [measure(problem, seqlen) for seqlen in seqlens]
             except Exception as error:  # a compile error or a launch failure rules the candidate out
                 why, tflops = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}", None
             if why:
                 log(f"{problem.label()}: {spec.name} rejected ({why})")
             else:
-                results.append((tflops, spec))
+                results.append((statistics.geometric_mean(tflops), tflops, spec))
             if progress:
                 progress.advance(task)
         if not results:
@@ -195,11 +209,11 @@ def tune(found: list[Problem], seqlen: int = 4096, jobs: int | None = None, prog
             continue
         results.sort(key=lambda r: -r[0])
         best = results[:TOP]
-        log(f"{problem.label()}: " + ", ".join(f"{s.name} {t:.0f}" for t, s in best) + " TFLOPS")
+        log(f"{problem.label()}: " + ", ".join(f"{s.name} {mean:.0f}" for mean, _, s in best) + " TFLOPS (geometric mean)")
         entries.append(entry_for(
-            problem, [tiles_of(s) for _, s in best],
-            source=f"flashgen tune on {torch.cuda.get_device_name()}, {datetime.date.today()}, T={seqlen}",
-            tflops=[round(t, 1) for t, _ in best],
+            problem, [tiles_of(s) for _, _, s in best],
+            source=f"flashgen tune on {torch.cuda.get_device_name()}, {datetime.date.today()}",
+            tflops={str(seqlen): [round(t[i], 1) for _, t, _ in best] for i, seqlen in enumerate(seqlens)},
         ))
     return entries
 

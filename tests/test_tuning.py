@@ -131,3 +131,15 @@ def test_cli_refuses_to_tune_without_a_gpu():
         pytest.skip("a GPU is present")
     result = CliRunner().invoke(main, ["tune", "--d", "64"])
     assert result.exit_code == 1 and "needs a CUDA GPU" in result.output
+
+
+def test_a_candidate_counts_only_where_the_tables_would_run_it():
+    problem = tune.Problem("fwd_sm90", 128, "bf16", True, "sm_90a", "long")
+    spec = tune.candidates(problem)[-1]
+    assert not tune.runs(problem, spec)  # the shipped table picks another shape
+    with tuning.override([tune.entry_for(problem, [tune.tiles_of(spec)])]):
+        assert tune.runs(problem, spec)
+    mma = tune.Problem("fwd", 128, "bf16", True, "sm_90a", "long")  # on sm_90a long queries run fwd_sm90
+    spec = tune.candidates(mma)[0]
+    with tuning.override([tune.entry_for(mma, [tune.tiles_of(spec)])]):
+        assert not tune.runs(mma, spec)
