@@ -1,0 +1,103 @@
+"""flashgen as a Hugging Face `transformers` attention implementation.
+
+    import flashgen.integrations.transformers as fg_hf
+    fg_hf.register()                                   # once per process
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=fg_hf.NAME)
+
+`NAME` is "fgen": transformers takes any name holding "flash" for one of its own FlashAttention or
+hub-kernel implementations and tries to load that, so "flashgen" itself cannot be registered.
+
+What transformers passes is read as its FlashAttention path reads it: query/key/value as
+(batch, heads, length, d) with fewer key/value heads under GQA (never repeated here), `scaling`,
+`sliding_window` (a query sees itself and the `sliding_window - 1` keys before it), `softcap`,
+`is_causal`, and the attention mask as the 2-D (batch, kv length) padding mask that transformers'
+`flash_attention_mask` makes (None when nothing is padded). A padded batch is run exactly: the real
+tokens of each row are gathered into one packed batch for `flashgen.attention_varlen` (so no work
+and no probability mass goes to padding) and scattered back; padded query rows come out as zeros.
+Packed sequences (`cu_seq_lens_q`/`cu_seq_lens_k` from a data collator) go to `attention_varlen`
+directly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NAME = "fgen"
+
+
+def register(name: str = NAME) -> str:
+    """Make `name` an `attn_implementation` transformers models accept; returns it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+
+    if "flash" in name:
+        raise ValueError(f"name={name!r}: transformers reserves names holding 'flash' for its own kernels")
+    AttentionInterface.register(name, attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, flash_attention_mask)  # a 2-D padding mask, or None
+    return name
+
+
+def _kernels():
+    """The two entry points the hook calls (the tests put the CPU oracle's in their place)."""
+    import flashgen
+
+    return flashgen.attention, flashgen.attention_varlen
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                      sliding_window=None, softcap=None, is_causal=None, s_aux=None, **kwargs):
+    """transformers' attention hook: returns (output (batch, length, heads, d), None)."""
+    attention, attention_varlen = _kernels()
+    if dropout and module.training:
+        raise ValueError(f"dropout={dropout}: flashgen has no attention dropout (set the config's attention_dropout to 0)")
+    if s_aux is not None:
+        raise ValueError("s_aux (attention sinks) is not supported by flashgen")
+    if kwargs.get("output_attentions"):
+        raise ValueError("output_attentions=True needs the probabilities, which flashgen never forms: use eager")
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    head_dim, v_head_dim = query.shape[-1], value.shape[-1]
+    if v_head_dim != head_dim:  # e.g. MLA: pad V to the query's head dim, crop the output
+        value = torch.nn.functional.pad(value, [0, head_dim - v_head_dim])
+    window = (-1, -1)
+    if sliding_window is not None and sliding_window < key.shape[2]:
+        window = (sliding_window - 1, sliding_window - 1 if not is_causal else 0)
+    options = {"window_size": window, "softcap": float(softcap or 0.0)}
+
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None and cu_k is not None and query.shape[0] == 1:
+        out = attention_varlen(
+            query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+            cu_q.to(torch.int32), cu_k.to(torch.int32), int(kwargs["max_length_q"]), int(kwargs["max_length_k"]),
+            causal=is_causal, softmax_scale=scaling, **options,
+        )[None]
+    elif attention_mask is None:
+        out = attention(query, key, value, causal=is_causal, scale=scaling, **options).transpose(1, 2)
+    else:
+        out = _padded(attention_varlen, query, key, value, attention_mask, is_causal, scaling, options)
+    return out[..., :v_head_dim].contiguous(), None
+
+
+def _padded(attention_varlen, query, key, value, mask, causal, scale, options):
+    """A padded batch through the varlen kernel: gather each row's real tokens, attend, scatter back.
+    The query's mask is the last query-length columns of the key's (transformers' convention)."""
+    if mask.dim() != 2 or mask.dtype != torch.bool:
+        raise ValueError(f"attention_mask: expected the 2-D bool padding mask of flash_attention_mask, got {mask.dtype} {tuple(mask.shape)}")
+    batch, _, seqlen_q, _ = query.shape
+    mask_k = mask[:, -key.shape[2]:]
+    mask_q = mask_k[:, -seqlen_q:]
+
+    def pack(x, keep):  # (B, H, T, d) -> (real tokens, H, d)
+        return x.transpose(1, 2)[keep]
+
+    def offsets(keep):
+        lengths = keep.sum(dim=1, dtype=torch.int32)
+        return torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0)), int(lengths.max())
+
+    (cu_q, max_q), (cu_k, max_k) = offsets(mask_q), offsets(mask_k)
+    packed = attention_varlen(
+        pack(query, mask_q), pack(key, mask_k), pack(value, mask_k), cu_q, cu_k, max(max_q, 1), max(max_k, 1),
+        causal=causal, softmax_scale=scale, **options,
+    )
+    out = packed.new_zeros(batch, seqlen_q, *packed.shape[1:])
+    out[mask_q] = packed
+    return out
