@@ -41,13 +41,13 @@ class Launch:
 
 @dataclass(frozen=True)
 class Convert:
-    """values[dst] = values[src], converted to dst's dtype (an fp32 accumulator to the output)."""
+    """values["dq"] = the fp32 sum in values["dq_accum"], read back through the layout of the
+    kernel that wrote it (its family's dq_from_accum) and converted to dq's dtype."""
 
-    dst: str
-    src: str
+    spec: KernelSpec
 
     def run(self, device: int, values: dict) -> None:
-        values[self.dst].copy_(values[self.src])
+        self.spec.family.dq_from_accum(self.spec, values["dq_accum"], values["dq"])
 
 
 @dataclass(frozen=True)
@@ -132,10 +132,6 @@ def _stats(values: dict) -> tuple:
     return batch, heads, padded(seqlen_q)
 
 
-def _dq_accum(values: dict) -> tuple:
-    return tuple(values["q"].shape)
-
-
 def backward(device: int, head_dim: int, dtype: torch.dtype, causal: bool, deterministic: bool, forward_spec: str) -> Plan:
     """The backward's plan: the prep (delta and the base-2 lse, padded), then the tables' backward
     kernels for the target of the forward's kernel (`forward_spec`, its canonical text; "" = the
@@ -149,9 +145,11 @@ def backward(device: int, head_dim: int, dtype: torch.dtype, causal: bool, deter
         prep = tuning.backward_prep(head_dim, DTYPES[dtype], arch)
         scratch = [Scratch("delta", _stats), Scratch("lse_log2", _stats)]
         steps = [Launch(kernels.get(spec)) for spec in [prep, *specs]]
-        if any(p.name == "dq_accum" for spec in specs for p in spec.family.params(spec).params):
-            scratch.append(Scratch("dq_accum", _dq_accum, zeroed=True))
-            steps.append(Convert("dq", "dq_accum"))
+        adds_dq = [spec for spec in specs if any(p.name == "dq_accum" for p in spec.family.params(spec).params)]
+        if adds_dq:
+            spec = adds_dq[0]  # one kernel writes the sum, in its family's layout
+            scratch.append(Scratch("dq_accum", lambda values: spec.family.dq_accum_shape(spec, values["q"].shape), zeroed=True))
+            steps.append(Convert(spec))
         plan = _plans[key] = Plan(tuple(steps), tuple(scratch))
     return plan
 

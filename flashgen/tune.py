@@ -47,8 +47,7 @@ class Problem:
     @property
     def deterministic(self) -> bool:
         """The backward mode whose kernels include this kind."""
-        bound = 128 if self.head_dim <= 128 else 256
-        return self.backward and self.kind not in tuning.BACKWARD_KINDS[(bound, False)]
+        return self.backward and self.kind not in tuning.backward_kinds(self.head_dim, self.arch, False)
 
     def label(self) -> str:
         mask = "causal" if self.causal else "full"

@@ -33,6 +33,10 @@ BACKWARD_KINDS = {
     (256, False): ["bwd_v", "bwd_kq"],
     (256, True): ["bwd_v", "bwd_k", "bwd_q"],
 }  # (head-dim bound, deterministic) -> kinds, key-major first
+# On sm_90a, up to head_dim 128, the Hopper family (TMA, wgmma, warp specialization) runs the
+# key-major part; deterministic mode still takes dQ from the query-major pass.
+HOPPER_BACKWARD_KINDS = {False: ["bwd_sm90_kvq"], True: ["bwd_sm90_kv", "bwd_q"]}
+HOPPER_BACKWARD_HEAD_DIM = 128
 
 
 def query_bucket(seqlen_q: int) -> bool:
@@ -147,10 +151,16 @@ def tuned_spec(kind: str | None, head_dim: int, dtype: str, causal: bool, arch: 
     return _first_valid(kind, head_dim, dtype, causal, arch)
 
 
+def backward_kinds(head_dim: int, arch: str, deterministic: bool) -> list[str]:
+    """The kinds of the backward kernels that run after the prep, in order."""
+    if arch == "sm_90a" and head_dim <= HOPPER_BACKWARD_HEAD_DIM:
+        return HOPPER_BACKWARD_KINDS[deterministic]
+    return BACKWARD_KINDS[(128 if head_dim <= 128 else 256, deterministic)]
+
+
 def backward_specs(head_dim: int, dtype: str, causal: bool, arch: str, deterministic: bool) -> list[KernelSpec]:
     """The backward kernels to run after the prep, in order."""
-    kinds = BACKWARD_KINDS[(128 if head_dim <= 128 else 256, deterministic)]
-    return [tuned_spec(kind, head_dim, dtype, causal, arch) for kind in kinds]
+    return [tuned_spec(kind, head_dim, dtype, causal, arch) for kind in backward_kinds(head_dim, arch, deterministic)]
 
 
 def backward_prep(head_dim: int, dtype: str, arch: str) -> KernelSpec:

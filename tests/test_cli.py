@@ -87,7 +87,7 @@ def test_build_includes_the_backward_kernels_by_default(gen):
     metas = {m["name"]: m for m in aot.built(gen)}
     (forward,) = [m for m in metas.values() if m["spec"]["kind"] == D64.kind]
     backward = [metas[name]["spec"] for name in forward["backward"]]
-    assert {spec["kind"] for spec in backward} == {"bwd_prep", "bwd_kvq", "bwd_kv", "bwd_q"}
+    assert {spec["kind"] for spec in backward} == {"bwd_prep", "bwd_sm90_kvq", "bwd_sm90_kv", "bwd_q"}  # sm_90a's tables
     assert set(forward["backward"]) | {forward["name"]} == set(metas)
     assert all(spec["causal"] for spec in backward if spec["kind"] != "bwd_prep")
     assert not (gen / f"{forward['backward'][0]}.py").exists()  # only forward kernels get an importable module
@@ -281,8 +281,8 @@ def test_load_an_empty_folder_says_what_it_expects(tmp_path):
 
 
 def test_load_a_backward_piece_alone_says_what_it_is_for(gen):
-    name = next(meta["name"] for meta in aot.built(gen) if meta["spec"]["kind"] == "bwd_kvq")
-    with pytest.raises(ValueError, match=f"{name} is a backward piece \\(bwd_kvq\\): it loads with the forward kernel"):
+    name = next(meta["name"] for meta in aot.built(gen) if meta["spec"]["kind"] == "bwd_sm90_kvq")
+    with pytest.raises(ValueError, match=f"{name} is a backward piece \\(bwd_sm90_kvq\\): it loads with the forward kernel"):
         flashgen.load(gen / f"{name}.json")
 
 

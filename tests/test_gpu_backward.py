@@ -227,3 +227,15 @@ def test_prebuilt_module_is_differentiable_without_a_compiler(tmp_path):
         print("ok")
     """)
     assert out.strip().endswith("ok")
+
+
+@pytest.mark.parametrize("head_dim, expected", [(64, "bwd_sm90_kvq"), (128, "bwd_sm90_kvq"), (256, "bwd_v")])
+def test_hopper_runs_its_own_backward_up_to_head_dim_128(head_dim, expected):
+    """On sm_90a the tables pick the Hopper family (TMA, wgmma, warp specialization) where it
+    exists; the sweep above then checks its gradients."""
+    from flashgen import plans
+
+    if plans.device_arch(0) != "sm_90a":
+        pytest.skip("needs sm_90a")
+    plan = plans.backward(0, head_dim, torch.bfloat16, True, False, "")
+    assert [k.spec.kind for k in plan.kernels][1] == expected

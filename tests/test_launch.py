@@ -21,7 +21,8 @@ ONE_OF_EACH_KIND = [
     KernelSpec(head_dim=96, block_m=128, block_n=128, causal=True, kind="fwd_sm90"),
     KernelSpec(head_dim=128, block_m=128, block_n=128, causal=True, kind="fwd_sm90", persistent=True),
     tuning.backward_prep(96, "fp16", "sm_90a"),
-    *(tuning.tuned_spec(kind, 128, "bf16", True, "sm_90a") for kind in ("bwd_kvq", "bwd_kv", "bwd_q")),
+    *(tuning.tuned_spec(kind, 128, "bf16", True, "sm_90a") for kind in ("bwd_kvq", "bwd_kv", "bwd_q", "bwd_sm90_kvq", "bwd_sm90_kv")),
+    tuning.tuned_spec("bwd_sm90_kvq", 64, "fp16", False, "sm_90a"),
     *(tuning.tuned_spec(kind, 256, "bf16", False, "sm_90a") for kind in ("bwd_v", "bwd_kq", "bwd_k")),
     tuning.tuned_spec("bwd_kvq", 64, "bf16", False, "sm_80"),
 ]
@@ -64,7 +65,9 @@ class StubDriver:
     def cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
         """Reads each parameter through its kernelParams pointer, as the driver does."""
         assert extra is None
-        values = [ctypes.string_at(pointer, 8) for pointer in params]  # every parameter here is 4 or 8 bytes
+        # 128 bytes from each pointer: a parameter's own bytes (4, 8 or a 128-byte tensor map) and
+        # what follows it in the 4 KiB launch buffer
+        values = [ctypes.string_at(pointer, 128) for pointer in params]
         self.launches.append({"function": function, "grid": (gx, gy, gz), "block": (bx, by, bz), "smem": smem,
                               "stream": stream.value, "params": values})
         return 0
@@ -82,7 +85,7 @@ def driver(monkeypatch):
 
 def unpack(spec, values) -> dict:
     """Each parameter's value, from the bytes its kernelParams pointer showed."""
-    codes = {"ptr": "Q", "i64": "q", "int": "i", "float": "f"}
+    codes = {"ptr": "Q", "i64": "q", "int": "i", "float": "f", "tensormap": "128s"}
     return {p.name: struct.unpack_from("=" + codes[p.kind], raw)[0] for p, raw in zip(spec.family.params(spec).params, values)}
 
 
@@ -138,18 +141,34 @@ def stub_kernels(monkeypatch):
     monkeypatch.setattr(plans, "_plans", {})
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_backward_plan_wires_prep_kernels_and_scratch(driver, stub_kernels, deterministic):
+@pytest.fixture
+def stub_tensor_maps(monkeypatch):
+    """Tensor maps need the driver's encoder: stand in a map that names its tensor and box."""
+    from flashgen.families import hopper_backward
+
+    fake = lambda t, rows: t.data_ptr().to_bytes(8, "little") * 15 + rows.to_bytes(8, "little")  # noqa: E731
+    monkeypatch.setattr(hopper_backward.HopperBackward, "helpers", lambda self, spec: {"tensor_map": fake})
+
+
+BACKWARD_KINDS = {  # (arch, deterministic) -> the kernels the plan runs
+    ("sm_90a", False): ["bwd_prep", "bwd_sm90_kvq"], ("sm_90a", True): ["bwd_prep", "bwd_sm90_kv", "bwd_q"],
+    ("sm_80", False): ["bwd_prep", "bwd_kvq"], ("sm_80", True): ["bwd_prep", "bwd_kv", "bwd_q"],
+}
+
+
+@pytest.mark.parametrize("arch, deterministic", BACKWARD_KINDS)
+def test_backward_plan_wires_prep_kernels_and_scratch(driver, stub_kernels, stub_tensor_maps, arch, deterministic):
     batch, heads, seqlen, d = 2, 3, 100, 64
     q = torch.zeros(batch, heads, seqlen, d, dtype=torch.bfloat16)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
-    plan = plans.backward(-1, d, torch.bfloat16, True, deterministic, KernelSpec(head_dim=d, causal=True).canonical())
+    forward = KernelSpec(head_dim=d, causal=True, arch=arch).canonical()
+    plan = plans.backward(-1, d, torch.bfloat16, True, deterministic, forward)
     values = dict(q=q, k=q, v=q, o=q, d_o=q, lse=torch.zeros(batch, heads, seqlen), d_lse=None,
                   dq=dq, dk=dk, dv=dv, scale=0.125)
     plan.run(-1, values)
 
     kinds = [step.kernel.spec.kind for step in plan.steps if isinstance(step, plans.Launch)]
-    assert kinds == ["bwd_prep", "bwd_kv", "bwd_q"] if deterministic else ["bwd_prep", "bwd_kvq"]
+    assert kinds == BACKWARD_KINDS[arch, deterministic]
     prep, *others = driver.launches
     assert values["delta"].shape == values["lse_log2"].shape == (batch, heads, 128)  # padded to a whole tile
     rows_per_block = 128 // 8  # 128 threads, 8 lanes a row (64 / 8 chunks of 16 bytes)
@@ -158,10 +177,15 @@ def test_backward_plan_wires_prep_kernels_and_scratch(driver, stub_kernels, dete
     assert prep_values["delta"] == values["delta"].data_ptr() and prep_values["d_lse"] == 0
     main = unpack(plan.kernels[1].spec, others[0]["params"])
     assert main["delta"] == values["delta"].data_ptr() and main["lse_log2"] == values["lse_log2"].data_ptr()
+    if arch == "sm_90a":  # tensor maps of the right tensors, with the tiles' rows per box
+        spec = plan.kernels[1].spec
+        for name, tensor, rows in (("q_map", q, spec.block_m), ("do_map", q, spec.block_m), ("dk_map", dk, 64), ("dv_map", dv, 64)):
+            assert main[name] == tensor.data_ptr().to_bytes(8, "little") * 15 + rows.to_bytes(8, "little"), name
     if deterministic:
         assert "dq_accum" not in values and unpack(plan.kernels[2].spec, others[1]["params"])["dq"] == dq.data_ptr()
     else:
         assert main["dq_accum"] == values["dq_accum"].data_ptr() and values["dq_accum"].dtype == torch.float32
+        assert values["dq_accum"].numel() >= q.numel()
         assert isinstance(plan.steps[-1], plans.Convert)  # the fp32 sum becomes dq at the end
 
 

@@ -91,11 +91,11 @@ def test_environment_names_another_table(tmp_path, monkeypatch):
 def test_problems_cover_what_the_tables_run():
     found = tune.problems([128], ["bf16"], [True], "sm_90a")
     kinds = {p.kind for p in found}
-    assert {"fwd_sm90", "fwd", "bwd_kv", "bwd_q", "bwd_kvq"} <= kinds
+    assert {"fwd_sm90", "fwd", "bwd_sm90_kv", "bwd_q", "bwd_sm90_kvq"} <= kinds
     short = [p for p in found if p.kind == "fwd"]
     assert [p.bucket for p in short] == ["short"]
     assert next(p for p in found if p.kind == "bwd_q").deterministic
-    assert not next(p for p in found if p.kind == "bwd_kvq").deterministic
+    assert not next(p for p in found if p.kind == "bwd_sm90_kvq").deterministic
     assert not next(p for p in found if p.kind == "fwd_sm90").deterministic
 
 

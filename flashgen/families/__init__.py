@@ -8,8 +8,11 @@ from .backward import STATS_PAD, BackwardPrep, KeyMajorBackward, QueryMajorBackw
 from .base import Family
 from .forward import MmaForward
 from .hopper import HopperForward
+from .hopper_backward import HopperBackward
 
-FAMILIES: tuple[Family, ...] = (MmaForward(), HopperForward(), KeyMajorBackward(), QueryMajorBackward(), BackwardPrep())
+FAMILIES: tuple[Family, ...] = (
+    MmaForward(), HopperForward(), KeyMajorBackward(), QueryMajorBackward(), BackwardPrep(), HopperBackward(),
+)
 BY_KIND: dict[str, Family] = {kind: family for family in FAMILIES for kind in family.kinds}
 KINDS = tuple(BY_KIND)
 

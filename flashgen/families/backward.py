@@ -147,6 +147,15 @@ class KeyMajorBackward(_BackwardTiles):
         }
 
 
+    # ---- the dQ accumulator (kinds with a "q"): q's shape, fp32, read back as it is ---------------
+
+    def dq_accum_shape(self, spec: KernelSpec, q_shape) -> tuple:
+        return tuple(q_shape)
+
+    def dq_from_accum(self, spec: KernelSpec, accum, dq) -> None:
+        dq.copy_(accum)
+
+
 def dq_item(spec: KernelSpec) -> tuple[int, int]:
     """The key-major dQ product's work item, (m16 query tiles, n16 head-dim pairs): the shape that
     keeps the busiest warp's mma count lowest, then its operand loads, within 32 fp32

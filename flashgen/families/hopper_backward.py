@@ -1,0 +1,150 @@
+"""The sm_90a backward (FlashAttention-3's design): one CTA owns BLOCK_N keys of a key/value head
+and walks the query tiles of every query head that shares it. A producer warp loads K and V once
+and streams Q, dO and their (lse, delta) rows through an mbarrier pipeline with the tensor memory
+accelerator; each consumer warpgroup owns 64 of the keys and runs all five products on warpgroup
+MMA: S^T = K Q^T and dP^T = V dO^T from shared memory, dV += P^T dO and dK += dS^T Q with P^T and
+dS^T straight from registers, and dQ = dS K from its own dS^T tile in shared memory. Each
+warpgroup adds its dQ tile into an fp32 buffer with one bulk reduction (cp.reduce.async.bulk), so
+the warpgroups never wait for each other. dK and dV leave through shared memory with TMA stores.
+
+Kinds: bwd_sm90_kvq writes dK, dV and dQ; bwd_sm90_kv writes dK and dV (deterministic mode: dQ
+then comes from the query-major bwd_q pass, in a fixed order).
+"""
+
+from __future__ import annotations
+
+from ..params import Params, pointer, scalar, tensormap
+from ..smem import Region, SmemLayout
+from ..spec import KernelSpec, SpecError
+from .backward import STATS_PAD
+from .base import Family
+from .hopper import _tensor_map
+
+# dQ tiles leave a warpgroup in pieces of 64 query rows x 64 head-dim columns, each in the order
+# the wgmma accumulator fragments sit in the threads: [n8 tile][warp][lane / 4][lane % 4][row
+# half][column pair]. A contiguous piece makes one bulk reduction, and writing it to shared
+# memory is free of bank conflicts (a warp stores 512 consecutive bytes per n8 tile).
+PIECE = 64
+FRAGMENT = (8, 4, 8, 4, 2, 2)  # n8 tile, warp, lane / 4, lane % 4, row half, column
+MAX_STAGE_FLOATS = 64 * 128  # fp32 dQ staging per warpgroup: 32 KB
+
+
+class HopperBackward(Family):
+    kinds = ("bwd_sm90_kvq", "bwd_sm90_kv")
+    template = "attention_bwd_sm90.cu.j2"
+    fields = ("head_dim", "block_m", "block_n", "dtype", "causal", "num_stages", "arch")
+    arguments = ("q", "k", "v", "d_o", "lse_log2", "delta", "dk", "dv", "dq_accum", "scale")
+    tune_space = {"block_m": (64, 128), "num_stages": (2, 3)}
+
+    @staticmethod
+    def head_dim_pad(spec: KernelSpec) -> int:
+        """Whole 64-column (128-byte) chunks: one TMA box and one swizzle row each."""
+        return -(-spec.head_dim // 64) * 64
+
+    @staticmethod
+    def has_dq(spec: KernelSpec) -> bool:
+        return spec.kind == "bwd_sm90_kvq"
+
+    @staticmethod
+    def consumers(spec: KernelSpec) -> int:
+        return spec.block_n // 64
+
+    def check(self, spec: KernelSpec) -> None:
+        if spec.arch != "sm_90a":
+            raise SpecError(f"arch={spec.arch!r}: a {spec.kind} kernel needs sm_90a (TMA, wgmma, setmaxnreg)")
+        if spec.block_n != 128:
+            raise SpecError(f"block_n={spec.block_n}: must be 128 (two consumer warpgroups of 64 keys)")
+        if spec.block_m not in (64, 128) or STATS_PAD % spec.block_m:
+            raise SpecError(f"block_m={spec.block_m}: must be 64 or 128 (query rows per step, whole dQ pieces)")
+        if spec.num_stages not in (2, 3):
+            raise SpecError(f"num_stages={spec.num_stages}: must be 2 or 3 (Q and dO tiles in flight)")
+        pad = self.head_dim_pad(spec)
+        if pad > 128:
+            raise SpecError(f"head_dim={spec.head_dim}: a {spec.kind} kernel takes head dims up to 128")
+        # fp32 registers a consumer thread holds at once: dV and dK (pad / 2 each), S^T and dP^T
+        # (block_m / 2 each).
+        held = pad + spec.block_m
+        if held > 192:
+            raise SpecError(
+                f"block_m={spec.block_m}, head_dim={spec.head_dim}: a consumer thread would hold {held} fp32 "
+                f"accumulators (dV, dK, S^T, dP^T); at most 192 fit in its 240 registers (use block_m=64)"
+            )
+        if self.has_dq(spec) and spec.block_m * pad > MAX_STAGE_FLOATS:
+            raise SpecError(
+                f"block_m={spec.block_m}, head_dim={spec.head_dim}: the dQ tile of a step ({spec.block_m} x {pad} "
+                f"fp32) must fit the {MAX_STAGE_FLOATS * 4 // 1024} KB staging of a warpgroup (use block_m=64)"
+            )
+
+    def threads(self, spec: KernelSpec) -> int:
+        return 128 * (self.consumers(spec) + 1)
+
+    def smem(self, spec: KernelSpec) -> SmemLayout:
+        chunks = self.head_dim_pad(spec) // 64
+        q_tile = chunks * spec.block_m * 128  # Q or dO: [chunk][BLOCK_M rows][64 columns], swizzled
+        kv_tile = chunks * spec.block_n * 128
+        stats = spec.num_stages * spec.block_m * 4
+        regions = [
+            Region("k", kv_tile, align=1024), Region("v", kv_tile, align=1024),
+            Region("q", spec.num_stages * q_tile, align=1024), Region("do", spec.num_stages * q_tile, align=1024),
+            Region("lse", stats), Region("delta", stats),
+        ]
+        if self.has_dq(spec):
+            consumers = self.consumers(spec)
+            regions += [
+                Region("ds", consumers * 64 * spec.block_m * 2, align=1024),  # each warpgroup's dS^T, [64 keys][BLOCK_M]
+                Region("dq", consumers * spec.block_m * self.head_dim_pad(spec) * 4, align=128),  # fp32 dQ pieces
+            ]
+        regions.append(Region("bar", 8 * (1 + 4 * spec.num_stages), align=8))
+        return SmemLayout(regions)
+
+    def params(self, spec: KernelSpec) -> Params:
+        outputs = [pointer("dq_accum", "float*")] if self.has_dq(spec) else []  # dq_layout(); zeroed
+        return Params(self.arguments, [
+            tensormap("q_map", f"tensor_map(q, {spec.block_m})"),
+            tensormap("k_map", f"tensor_map(k, {spec.block_n})"),
+            tensormap("v_map", f"tensor_map(v, {spec.block_n})"),
+            tensormap("do_map", f"tensor_map(d_o, {spec.block_m})"),
+            tensormap("dk_map", "tensor_map(dk, 64)"),
+            tensormap("dv_map", "tensor_map(dv, 64)"),
+            pointer("lse_log2", "const float*"), pointer("delta", "const float*"),  # [batch, heads, padded_q]
+            *outputs,
+            scalar("seqlen_q", "int", "q.shape[2]"),
+            scalar("seqlen_k", "int", "k.shape[2]"),
+            scalar("padded_q", "int", "delta.shape[2]"),
+            scalar("kv_group", "int", "q.shape[1] // k.shape[1]"),
+            scalar("scale", "float"),
+            scalar("scale_log2", "float", "scale * LOG2E"),
+        ])
+
+    def helpers(self, spec: KernelSpec) -> dict:
+        return {"tensor_map": _tensor_map}
+
+    def grid(self, spec: KernelSpec) -> str:
+        return f"(-(-k.shape[2] // {spec.block_n}), k.shape[1], k.shape[0])"
+
+    def context(self, spec: KernelSpec) -> dict:
+        return {**super().context(spec), "wgmma": True, "has_dq": self.has_dq(spec),
+                "head_dim_pad": self.head_dim_pad(spec)}
+
+    # ---- the dQ accumulator --------------------------------------------------------------------
+
+    def dq_accum_shape(self, spec: KernelSpec, q_shape) -> tuple:
+        """(batch, heads, floats): per query tile of BLOCK_M rows, its 64 x 64 pieces in row-major
+        piece order, each in fragment order (FRAGMENT)."""
+        batch, heads, seqlen_q, _ = q_shape
+        tiles = -(-seqlen_q // spec.block_m)
+        return batch, heads, tiles * spec.block_m * self.head_dim_pad(spec)
+
+    def dq_from_accum(self, spec: KernelSpec, accum, dq) -> None:
+        """dq = the accumulator read back in (row, column) order."""
+        batch, heads, seqlen_q, head_dim = dq.shape
+        pad = self.head_dim_pad(spec)
+        tiles, row_pieces, col_pieces = -(-seqlen_q // spec.block_m), spec.block_m // PIECE, pad // PIECE
+        pieces = accum.view(batch, heads, tiles, row_pieces, col_pieces, *FRAGMENT)
+        # (b, h, tile, row piece, col piece, nt, warp, r8, c4, half, c2) -> rows (tile, row piece, warp,
+        # half, r8) and columns (col piece, nt, c4, c2)
+        ordered = pieces.permute(0, 1, 2, 3, 6, 9, 7, 4, 5, 8, 10)
+        if dq.is_contiguous() and seqlen_q == tiles * spec.block_m and head_dim == pad:
+            dq.view(batch, heads, tiles, row_pieces, 4, 2, 8, col_pieces, 8, 4, 2).copy_(ordered)
+        else:
+            dq.copy_(ordered.reshape(batch, heads, tiles * spec.block_m, pad)[:, :, :seqlen_q, :head_dim])
