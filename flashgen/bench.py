@@ -64,11 +64,17 @@ def _inputs(seqlen, head_dim, dtype=torch.bfloat16, device="cuda", heads=None, k
     return [q, k, v]
 
 
-def _kernel_name(q, causal) -> str:
-    """The forward kernel flashgen runs for these inputs (the plan is kept after the first call)."""
+def _kernel_name(q, causal, mode="fwd") -> str:
+    """The kernels flashgen runs for these inputs in this mode: the forward's, and for a backward
+    its main kernels after the prep (the plans are kept after the first call)."""
     from . import plans
 
-    return plans.forward(q.get_device(), q.shape[3], q.dtype, causal, q.shape[2], "").kernels[0].spec.name
+    names = []
+    if mode != "bwd":
+        names.append(plans.forward(q.get_device(), q.shape[3], q.dtype, causal, q.shape[2], "").kernels[0].spec.name)
+    if mode != "fwd":
+        names += [k.spec.name for k in plans.backward(q.get_device(), q.shape[3], q.dtype, causal, False, "").kernels[1:]]
+    return " + ".join(names)
 
 
 MODES = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}  # FLOPs relative to the forward
@@ -116,7 +122,7 @@ def _row(mode, inputs, causal) -> dict:
             row[name] = flops / time_ms(_timer(attention, q, k, v, causal, mode)) / 1e9
         except RuntimeError:  # backend not available for this shape or GPU
             row[name] = None
-    row["kernel"] = _kernel_name(q, causal)
+    row["kernel"] = _kernel_name(q, causal, mode)
     return row
 
 
