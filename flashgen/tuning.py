@@ -22,7 +22,8 @@ from .spec import KernelSpec, SpecError, check_head_dim
 
 TABLE_PATH = Path(__file__).with_name("tuning.json")
 TABLE_ENV = "FLASHGEN_TUNING_TABLE"
-KEY_FIELDS = ("kind", "arch", "head_dim", "dtype", "causal", "bucket", "varlen")  # a missing one is '*'
+KEY_FIELDS = ("kind", "arch", "head_dim", "dtype", "causal", "bucket")
+OPTIONAL_FIELDS = ("varlen",)  # '*' where an entry leaves them out
 TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
 SHORT_QUERY = 64  # at or below this many query rows, 64-row blocks waste less work
 
