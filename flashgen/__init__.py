@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "attention": "api",
+    "attention_varlen": "varlen",
     "CacheError": "cache",
     "KernelCache": "cache",
     "CompileError": "compile",
@@ -31,7 +32,7 @@ _EXPORTS = {
 }
 _SUBMODULES = (
     "aot", "api", "bench", "cache", "check", "cli", "compile", "families", "kernels", "params", "plans",
-    "reference", "render", "runtime", "smem", "spec", "tuning",
+    "reference", "render", "runtime", "smem", "spec", "tuning", "varlen",
 )
 
 __all__ = sorted(_EXPORTS) + ["reference"]

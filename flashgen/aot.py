@@ -63,7 +63,7 @@ def export(spec: KernelSpec, out: Path, backward: tuple[str, ...] = ()) -> dict:
     _write(stem.with_suffix(".cu"), (artifact.path / "kernel.cu").read_bytes())
     _write(stem.with_suffix(".cubin"), artifact.cubin)
     meta = {k: v for k, v in artifact.meta.items() if k != "compile_seconds"}
-    if spec.family.forward:
+    if spec.family.forward and not spec.varlen:  # (a varlen kernel runs under attention_varlen: no module)
         meta["backward"] = list(backward)
         module = MODULE.format(name=spec.name, version=__version__, nvrtc=meta["nvrtc"], package=out.name)
         _write(stem.with_suffix(".py"), module.encode())
@@ -168,13 +168,18 @@ def _register(spec: KernelSpec, cubin: bytes) -> None:
     register(Kernel(spec, cubin))
 
 
+def _importable(spec: KernelSpec) -> bool:
+    """A forward kernel of attention(): what a build folder's modules and load() hand out."""
+    return spec.family.forward and not spec.varlen
+
+
 def load(path) -> PrebuiltKernel | dict[str, PrebuiltKernel]:
     """Load a forward kernel written by `flashgen build` (its .json, .cubin or .py path, or the
     stem) and the backward kernels built with it; or, given a build folder, every forward kernel in
     it, as {name: kernel}. Needs no compiler; touches no GPU until called."""
     path = Path(path)
     if path.is_dir():
-        forwards = [Path(meta["path"]) for meta in built(path) if KernelSpec(**meta["spec"]).family.forward]
+        forwards = [Path(meta["path"]) for meta in built(path) if _importable(KernelSpec(**meta["spec"]))]
         if not forwards:
             raise FileNotFoundError(
                 f"{path} holds no kernels built by `flashgen build` (a <name>.json with its "
@@ -185,6 +190,8 @@ def load(path) -> PrebuiltKernel | dict[str, PrebuiltKernel]:
     if not meta_path.exists():
         raise FileNotFoundError(f"{meta_path} does not exist: flashgen.load takes a kernel's .json, .cubin or .py, or a build folder")
     spec, cubin, meta = _read(meta_path)
+    if spec.varlen:
+        raise ValueError(f"{spec.name} is a varlen kernel: attention_varlen runs it (prebuilt varlen modules are not supported)")
     if not spec.family.forward:
         raise ValueError(
             f"{spec.name} is a backward piece ({spec.kind}): it loads with the forward kernel it was "

@@ -304,3 +304,134 @@ def run(head_dims=HEAD_DIMS, seqlens=SEQLENS, modes=tuple(MODES), json_path=None
         with open(json_path, "w") as file:
             json.dump(report, file, indent=2)
     return report
+
+
+# ---- flashgen bench --varlen ----------------------------------------------------------------------
+
+VARLEN_SEQUENCES, VARLEN_SHORTEST, VARLEN_LONGEST = 16, 128, 4096
+VARLEN_HEADS, VARLEN_HEAD_DIM = 16, 128
+
+
+def varlen_lengths() -> list[int]:
+    """16 sequence lengths from 128 to 4096 (both ends included), 32k tokens give or take 1k: the
+    first seed (from 0) whose uniform draw lands there, so the batch is the same on every run."""
+    for seed in range(1000):
+        gen = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(VARLEN_SHORTEST, VARLEN_LONGEST + 1, (VARLEN_SEQUENCES,), generator=gen).tolist()
+        lengths[0], lengths[1] = VARLEN_SHORTEST, VARLEN_LONGEST
+        if abs(sum(lengths) - 32 * 1024) <= 1024:
+            return lengths
+    raise AssertionError("no seed gives 32k tokens")
+
+
+def _varlen_inputs(lengths, heads=VARLEN_HEADS, head_dim=VARLEN_HEAD_DIM, dtype=torch.bfloat16):
+    gen = torch.Generator(device="cuda").manual_seed(sum(lengths))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(sum(lengths), heads, head_dim, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
+    return q, k, v, cu
+
+
+def _time_modes(forward, leaves, flops) -> dict:
+    """TFLOPS of the forward and of the backward (out.backward(dout, retain_graph=True))."""
+    result = {"fwd": flops / time_ms(forward) / 1e9}
+    with torch.enable_grad():
+        for t in leaves:
+            t.requires_grad_()
+        out = forward()
+        d_o = torch.randn_like(out)
+        result["bwd"] = MODES["bwd"] * flops / time_ms(lambda: out.backward(d_o, retain_graph=True)) / 1e9
+        for t in leaves:
+            t.requires_grad_(False)
+            t.grad = None
+    return result
+
+
+def varlen_report(causal: bool = True) -> dict:
+    """attention_varlen on 16 mixed-length sequences against attention on a uniform batch of as
+    many tokens (16 x the mean length), d = 128, 16 heads, bf16: TFLOPS counted on real tokens only
+    (4 H L^2 d per sequence, halved when causal; backward 2.5x), their ratio, the kernels that ran,
+    and the host cost of one eager call on a tiny input."""
+    from . import plans
+    from .api import attention
+    from .varlen import attention_varlen
+
+    lengths = varlen_lengths()
+    q, k, v, cu = _varlen_inputs(lengths)
+    longest, total = max(lengths), sum(lengths)
+    flops = sum(forward_flops(1, VARLEN_HEADS, n, n, VARLEN_HEAD_DIM, causal) for n in lengths)
+    with torch.no_grad():
+        varlen = _time_modes(lambda: attention_varlen(q, k, v, cu, cu, longest, longest, causal=causal), (q, k, v), flops)
+    seqlen = round(total / VARLEN_SEQUENCES)
+    uq, uk, uv = (t[: VARLEN_SEQUENCES * seqlen].view(VARLEN_SEQUENCES, seqlen, VARLEN_HEADS, VARLEN_HEAD_DIM).transpose(1, 2)
+                  for t in (q, k, v))
+    uniform_flops = forward_flops(VARLEN_SEQUENCES, VARLEN_HEADS, seqlen, seqlen, VARLEN_HEAD_DIM, causal)
+    with torch.no_grad():
+        uniform = _time_modes(lambda: attention(uq, uk, uv, causal=causal), (uq, uk, uv), uniform_flops)
+    device, dtype = q.get_device(), q.dtype
+    kernels = {
+        "varlen fwd": [s.name for s in (k_.spec for k_ in plans.forward_varlen(device, VARLEN_HEAD_DIM, dtype, causal, longest, "").kernels)],
+        "varlen bwd": [k_.spec.name for k_ in plans.backward_varlen(device, VARLEN_HEAD_DIM, dtype, causal, False, "").kernels],
+        "uniform fwd": [_kernel_name(uq, causal)],
+    }
+    return {
+        "lengths": lengths, "tokens": total, "uniform": f"{VARLEN_SEQUENCES} x {seqlen}", "causal": causal,
+        "varlen": varlen, "attention": uniform, "ratio": {m: varlen[m] / uniform[m] for m in varlen},
+        "kernels": kernels, "host_us": varlen_host_us(),
+    }
+
+
+def varlen_host_us(calls: int = HOST_CALLS, rounds: int = HOST_ROUNDS) -> dict:
+    """Wall time per eager call on tiny inputs (4 sequences of 32 tokens, 1 head, d = 64; and
+    attention() and SDPA on a 4 x 1 x 32 x 64 batch), where launch cost dominates; median of rounds."""
+    from .api import attention
+    from .varlen import attention_varlen
+
+    q, k, v, cu = _varlen_inputs([32] * 4, heads=1, head_dim=64)
+    dense = [t.view(4, 32, 1, 64).transpose(1, 2) for t in (q, k, v)]
+    ops = {
+        "attention_varlen": lambda: attention_varlen(q, k, v, cu, cu, 32, 32, causal=True),
+        "attention": lambda: attention(*dense, causal=True),
+        "sdpa": lambda: F.scaled_dot_product_attention(*dense, is_causal=True),
+    }
+    times = {name: [] for name in ops}
+    with torch.no_grad():
+        for _ in range(100):
+            for fn in ops.values():
+                fn()
+        for _ in range(rounds):
+            for name, fn in ops.items():
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                torch.cuda.synchronize()
+                times[name].append((time.perf_counter() - start) / calls * 1e6)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def run_varlen(json_path=None, console=None) -> dict:
+    """`flashgen bench --varlen`: the varlen report, printed (and written as JSON)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    if not torch.cuda.is_available():
+        raise RuntimeError("flashgen bench needs an NVIDIA GPU: PyTorch sees none on this machine")
+    report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+              **varlen_report()}
+    out = Table(title=f"varlen: {VARLEN_SEQUENCES} sequences of {VARLEN_SHORTEST}-{VARLEN_LONGEST} tokens "
+                      f"({report['tokens']:,} in all), d={VARLEN_HEAD_DIM}, {VARLEN_HEADS} heads, causal, bf16, {report['gpu']}")
+    for column in ("mode", "attention_varlen", f"attention {report['uniform']}", "ratio (target >= 0.9)"):
+        out.add_column(column, justify="right")
+    for mode in ("fwd", "bwd"):
+        out.add_row(mode, f"{report['varlen'][mode]:.0f}", f"{report['attention'][mode]:.0f}", f"{report['ratio'][mode]:.2f}")
+    console.print(out)
+    console.print("TFLOPS on real tokens only; lengths " + ", ".join(map(str, report["lengths"])))
+    for label, names in report["kernels"].items():
+        console.print(f"{label}: {', '.join(names)}", highlight=False)
+    host = report["host_us"]
+    console.print("host cost per eager call (tiny inputs): " + ", ".join(f"{name} {us:.1f} us" for name, us in host.items()))
+    if json_path:
+        with open(json_path, "w") as file:
+            json.dump(report, file, indent=2)
+    return report

@@ -212,9 +212,17 @@ def show(resources, **options):
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="also write the numbers here")
 @click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False), help="also write the tables here, as Markdown")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="also draw the tables here (.png, .svg, .pdf)")
-def bench(head_dims, seqlens, modes, json_path, markdown_path, plot_path):
+@click.option("--varlen", is_flag=True, help="only attention_varlen: 16 mixed-length sequences against a uniform batch")
+def bench(head_dims, seqlens, modes, json_path, markdown_path, plot_path, varlen):
     """flashgen next to SDPA's FLASH, CUDNN and EFFICIENT backends, in TFLOPS."""
     from . import bench as benchmark
+
+    if varlen:
+        try:
+            benchmark.run_varlen(json_path=json_path, console=console)
+        except RuntimeError as error:
+            _fail(error)
+        return
 
     if plot_path:
         _need_matplotlib()  # before minutes of timing, not after

@@ -15,6 +15,7 @@ import torch
 
 from . import kernels, tuning
 from .families import padded
+from .families.backward import padded_varlen
 from .kernels import Kernel
 from .spec import KernelSpec, arch_for_capability
 
@@ -54,6 +55,7 @@ class Convert:
 class Plan:
     steps: tuple
     scratch: tuple[Scratch, ...] = ()
+    varlen: bool = False  # packed sequences: one launch covers the call (attention_varlen checks the grid)
 
     @property
     def kernels(self) -> list[Kernel]:
@@ -67,7 +69,7 @@ class Plan:
             make = torch.zeros if buffer.zeroed else torch.empty
             values[buffer.name] = make(buffer.shape(values), dtype=buffer.dtype, device=like.device)
         batch, heads = like.shape[:2]
-        parts = (values,) if batch <= MAX_GRID_YZ and heads <= MAX_GRID_YZ else slices(values)
+        parts = (values,) if self.varlen or (batch <= MAX_GRID_YZ and heads <= MAX_GRID_YZ) else slices(values)
         for part in parts:
             for step in self.steps:
                 step.run(device, part)
@@ -127,6 +129,16 @@ def forward(device: int, head_dim: int, dtype: torch.dtype, causal: bool, seqlen
     return plan
 
 
+def _sum_dq(specs: list[KernelSpec], scratch: list, steps: list) -> None:
+    """Where a backward kernel adds dQ into an fp32 sum: the zeroed buffer in its family's layout,
+    and the last step, which reads the sum back into dq."""
+    adders = [spec for spec in specs if any(p.name == "dq_accum" for p in spec.family.params(spec).params)]
+    if adders:
+        spec = adders[0]
+        scratch.append(Scratch("dq_accum", lambda values: spec.family.dq_accum_shape(spec, values["q"].shape), zeroed=True))
+        steps.append(Convert(spec))
+
+
 def _stats(values: dict) -> tuple:
     batch, heads, seqlen_q, _ = values["q"].shape
     return batch, heads, padded(seqlen_q)
@@ -145,12 +157,46 @@ def backward(device: int, head_dim: int, dtype: torch.dtype, causal: bool, deter
         prep = tuning.backward_prep(head_dim, DTYPES[dtype], arch)
         scratch = [Scratch("delta", _stats), Scratch("lse_log2", _stats)]
         steps = [Launch(kernels.get(spec)) for spec in [prep, *specs]]
-        adds_dq = [spec for spec in specs if any(p.name == "dq_accum" for p in spec.family.params(spec).params)]
-        if adds_dq:
-            spec = adds_dq[0]  # one kernel writes the sum, in its family's layout
-            scratch.append(Scratch("dq_accum", lambda values: spec.family.dq_accum_shape(spec, values["q"].shape), zeroed=True))
-            steps.append(Convert(spec))
+        _sum_dq(specs, scratch, steps)
         plan = _plans[key] = Plan(tuple(steps), tuple(scratch))
+    return plan
+
+
+# ---- the plans of flashgen.attention_varlen ----------------------------------------------------
+
+
+def forward_varlen(device: int, head_dim: int, dtype: torch.dtype, causal: bool, max_seqlen_q: int, spec: str) -> Plan:
+    """attention_varlen's forward: the kernel `spec` names, or the tables' varlen choice for the
+    longest sequence's length."""
+    key = ("fwd_varlen", device, head_dim, dtype, causal, tuning.query_bucket(max_seqlen_q), spec)
+    plan = _plans.get(key)
+    if plan is None:
+        chosen = KernelSpec.from_json(spec) if spec else tuning.forward_spec(
+            head_dim, DTYPES[dtype], causal, device_arch(device), max_seqlen_q, varlen=True
+        )
+        plan = _plans[key] = Plan((Launch(kernels.get(chosen)),), varlen=True)
+    return plan
+
+
+def _varlen_stats(values: dict) -> tuple:
+    """[heads, padded_q]: each sequence's rows on whole tiles (block_info's stats_rows)."""
+    total_q, heads, _ = values["q"].shape
+    return heads, padded_varlen(total_q, values["cu_seqlens_q"].shape[0] - 1)
+
+
+def backward_varlen(device: int, head_dim: int, dtype: torch.dtype, causal: bool, deterministic: bool, forward_spec: str) -> Plan:
+    """attention_varlen's backward: backward()'s steps over packed sequences; the statistics are
+    [heads, padded_q] and the fp32 dQ sum is [total_q, heads, head_dim], like q."""
+    key = ("bwd_varlen", device, head_dim, dtype, causal, deterministic, forward_spec)
+    plan = _plans.get(key)
+    if plan is None:
+        arch = KernelSpec.from_json(forward_spec).arch if forward_spec else device_arch(device)
+        specs = tuning.backward_specs(head_dim, DTYPES[dtype], causal, arch, deterministic, varlen=True)
+        prep = tuning.backward_prep(head_dim, DTYPES[dtype], arch, varlen=True)
+        scratch = [Scratch("delta", _varlen_stats), Scratch("lse_log2", _varlen_stats)]
+        steps = [Launch(kernels.get(spec)) for spec in [prep, *specs]]
+        _sum_dq(specs, scratch, steps)
+        plan = _plans[key] = Plan(tuple(steps), tuple(scratch), varlen=True)
     return plan
 
 

@@ -114,3 +114,50 @@ def tiled_attention(q, k, v, causal=False, scale=None, block_m=64, block_n=64, r
         o[..., rows, :] = torch.where(seen[..., None], acc / l.clamp_min(1e-30)[..., None], 0.0)
         lse[..., rows] = torch.where(seen, m + torch.log(l.clamp_min(1e-30)), -math.inf)
     return o.to(dtype), lse
+
+
+# ---- packed sequences of different lengths (flashgen.attention_varlen) -------------------------
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, max_seqlen: int, name: str) -> list[int]:
+    """The offsets as a list, after the checks flashgen.attention_varlen cannot afford (they read
+    the values on the host: a device sync): they start at 0, never decrease, end at the packed
+    tensor's row count, and no sequence is longer than max_seqlen."""
+    offsets = cu_seqlens.tolist()
+    which = name.removeprefix("cu_seqlens_")
+    if offsets[0] != 0:
+        raise ValueError(f"{name}[0] = {offsets[0]}: the offsets must start at 0")
+    lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+    if any(n < 0 for n in lengths):
+        b = next(i for i, n in enumerate(lengths) if n < 0)
+        raise ValueError(f"{name} must be non-decreasing; {name}[{b + 1}] = {offsets[b + 1]} < {name}[{b}] = {offsets[b]}")
+    if offsets[-1] != total:
+        raise ValueError(f"{name}[-1] = {offsets[-1]}, but {which} has {total} rows: the last offset must be the total")
+    if lengths and max(lengths) > max_seqlen:
+        raise ValueError(f"max_seqlen_{which}={max_seqlen}, but a sequence has {max(lengths)} rows: it must be the longest length")
+    return offsets
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None,
+                     causal=False, deterministic=False, return_lse=False, upcast=True):
+    """flashgen.attention_varlen in plain PyTorch, on any device (the CPU included): naive
+    attention of each sequence alone, bottom-right causal within it. Returns what the kernel
+    returns: out (total_q, heads, d) in q's dtype, and with return_lse the (heads, total_q) fp32
+    log-sum-exp (-inf, with out 0, for a row that sees no key). It runs the input checks
+    attention_varlen runs, and also those of cu_seqlens' values (check_cu_seqlens), which the
+    kernel path skips. upcast=False keeps the inputs' dtype for the matmuls (the numerics rule's
+    low-precision reference); `deterministic` is accepted for the same signature (this is).
+    """
+    from .varlen import check_shapes
+
+    check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kernel=False)
+    starts_q = check_cu_seqlens(cu_seqlens_q, q.shape[0], max_seqlen_q, "cu_seqlens_q")
+    starts_k = check_cu_seqlens(cu_seqlens_k, k.shape[0], max_seqlen_k, "cu_seqlens_k")
+    outs, lses = [q.new_zeros((0, *q.shape[1:]))], [torch.zeros(q.shape[1], 0, device=q.device)]
+    for (q0, q1), (k0, k1) in zip(zip(starts_q, starts_q[1:]), zip(starts_k, starts_k[1:])):
+        seq_q, seq_k, seq_v = (t[a:b].transpose(0, 1)[None] for t, a, b in ((q, q0, q1), (k, k0, k1), (v, k0, k1)))
+        o, lse = naive_attention(seq_q, seq_k, seq_v, causal=causal, scale=softmax_scale, upcast=upcast)
+        outs.append(o[0].transpose(0, 1))
+        lses.append(lse[0])
+    out, lse = torch.cat(outs), torch.cat(lses, dim=1)
+    return (out, lse) if return_lse else out

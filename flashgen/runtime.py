@@ -114,7 +114,8 @@ _tensor_maps: dict[tuple, bytes] = {}
 
 def tensor_map(t: torch.Tensor, box_rows: int, box_cols: int = 64) -> bytes:
     """The TMA descriptor (CUtensorMap, 128 bytes) of a (B, H, T, d) tensor with a contiguous last
-    dimension: rank 4 over (d, T, H, B), tiles of box_rows x box_cols elements, 128-byte swizzle,
+    dimension (or of a packed (total, H, d) one, seen as a batch of one: (1, H, total, d)):
+    rank 4 over (d, T, H, B), tiles of box_rows x box_cols elements, 128-byte swizzle,
     elements outside the tensor read as zero. A descriptor depends on nothing but the address,
     shape, strides, dtype and box, so the last ones made are kept (the same buffers come back call
     after call: PyTorch's allocator reuses addresses)."""
@@ -130,9 +131,14 @@ def tensor_map(t: torch.Tensor, box_rows: int, box_cols: int = 64) -> bytes:
 def _encode_tensor_map(t: torch.Tensor, box_rows: int, box_cols: int) -> bytes:
     """cuTensorMapEncodeTiled. Strides must be multiples of 16 bytes (the driver refuses others);
     a dimension of size 1 is never stepped over, so any legal stride does for it."""
-    batch, heads, seqlen, head_dim = t.shape
     size = t.element_size()
-    sizes, strides = (seqlen, heads, batch), [s * size for s in t.stride()[2::-1]]
+    if t.dim() == 3:  # packed (total, H, d): a batch of one (the stride of a size-1 dim is set below)
+        (seqlen, heads, head_dim), batch = t.shape, 1
+        strides = [t.stride(0) * size, t.stride(1) * size, 0]
+    else:
+        batch, heads, seqlen, head_dim = t.shape
+        strides = [s * size for s in t.stride()[2::-1]]
+    sizes = (seqlen, heads, batch)
     for i in range(3):
         if sizes[i] == 1:
             strides[i] = 16 * max(1, -(-(strides[i - 1] * sizes[i - 1] if i else head_dim * size) // 16))

@@ -72,6 +72,9 @@ class KernelSpec:
     kind:       which kernel: "fwd", a backward piece, or the backward's prep (see families.KINDS).
     persistent: one block per SM walking the tiles (the longest causal rows first) instead of one
                 block per tile (Hopper forward).
+    varlen:     packed sequences of different lengths (flash_attn_varlen_func's layout): tensors are
+                (total_tokens, heads, d) and each sequence's rows are found through cu_seqlens
+                (templates/block_info.cuh.j2); blocks past a sequence's end exit at once.
     """
 
     head_dim: int
@@ -84,6 +87,7 @@ class KernelSpec:
     arch: str = "sm_90a"
     kind: str = "fwd"
     persistent: bool = False
+    varlen: bool = False
 
     def __post_init__(self):
         from .families import KINDS
@@ -95,7 +99,7 @@ class KernelSpec:
             raise SpecError(f"kind={self.kind!r}: must be one of {', '.join(KINDS)}")
         if self.dtype not in DTYPES:
             raise SpecError(f"dtype={self.dtype!r}: must be one of {', '.join(DTYPES)}")
-        for field in ("causal", "persistent"):
+        for field in ("causal", "persistent", "varlen"):
             if not isinstance(getattr(self, field), bool):
                 raise SpecError(f"{field}={getattr(self, field)!r}: must be True or False")
         if self.arch not in SMEM_LIMIT:

@@ -219,9 +219,9 @@ def tune(found: list[Problem], seqlens=SEQLENS, jobs: int | None = None, progres
 
 def merge(doc: dict, entries: list[dict]) -> dict:
     """The table with `entries` in place of entries of the same key (kind, arch, head dim, dtype,
-    causal, bucket), tuned entries first."""
+    causal, bucket, varlen), tuned entries first."""
     def key(entry):
-        return tuple(entry[f] for f in tuning.KEY_FIELDS)
+        return tuple(entry.get(f, "*") for f in tuning.KEY_FIELDS + tuning.OPTIONAL_FIELDS)
 
     replaced = {key(e) for e in entries}
     kept = [e for e in doc["entries"] if key(e) not in replaced]

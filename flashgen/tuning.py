@@ -2,7 +2,8 @@
 package; `flashgen tune` measures and rewrites it on a GPU; FLASHGEN_TUNING_TABLE names another).
 
 An entry lists tile shapes best first for one kernel kind and a set of problems: arch (a glob),
-dtype, causal, length bucket ('*' = any) and a head-dim bound. A problem takes the entries of the
+dtype, causal, length bucket ('*' = any), a head-dim bound, and optionally varlen (true: only
+attention_varlen's packed kernels; an entry without it serves both). A problem takes the entries of the
 smallest bound at or above its head dim, the more exact ones first, and runs the first tile shape
 that is a valid spec for its target (shared memory differs between sm_80, sm_86 and sm_90). On
 sm_90a the forward is the Hopper family (TMA, wgmma, warp specialization); elsewhere, and for short
@@ -22,6 +23,7 @@ from .spec import KernelSpec, SpecError, check_head_dim
 TABLE_PATH = Path(__file__).with_name("tuning.json")
 TABLE_ENV = "FLASHGEN_TUNING_TABLE"
 KEY_FIELDS = ("kind", "arch", "head_dim", "dtype", "causal", "bucket")
+OPTIONAL_FIELDS = ("varlen",)  # '*' where an entry leaves them out
 TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
 SHORT_QUERY = 64  # at or below this many query rows, 64-row blocks waste less work
 
@@ -73,21 +75,24 @@ def format_table(doc: dict) -> str:
     return f'{{\n "about": {json.dumps(doc["about"])},\n "entries": [\n{entries}\n ]\n}}\n'
 
 
+MATCHED = ("dtype", "causal", "bucket", "varlen")
+
+
 def _matches(entry: dict, problem: dict) -> bool:
-    for field in ("dtype", "causal", "bucket"):
-        if entry[field] != "*" and entry[field] != problem[field]:
+    for field in MATCHED:
+        if entry.get(field, "*") != "*" and entry[field] != problem[field]:
             return False
     return entry["kind"] == problem["kind"] and fnmatch.fnmatchcase(problem["arch"], entry["arch"])
 
 
 def _exactness(entry: dict) -> int:
-    return sum(entry[field] != "*" for field in ("dtype", "causal", "bucket")) + ("*" not in entry["arch"])
+    return sum(entry.get(field, "*") != "*" for field in MATCHED) + ("*" not in entry["arch"])
 
 
-def candidates(kind: str, head_dim: int, dtype: str, causal: bool, arch: str, bucket: str) -> list[dict]:
+def candidates(kind: str, head_dim: int, dtype: str, causal: bool, arch: str, bucket: str, varlen: bool = False) -> list[dict]:
     """Tile shapes for a problem, best first: the entries of the smallest bound, more exact first
     (overrides from `override` before all), then those of larger bounds as a fallback."""
-    problem = {"kind": kind, "dtype": dtype, "causal": causal, "arch": arch, "bucket": bucket}
+    problem = {"kind": kind, "dtype": dtype, "causal": causal, "arch": arch, "bucket": bucket, "varlen": varlen}
     entries = [e for e in _overrides + table()["entries"] if _matches(e, problem) and e["head_dim"] >= head_dim]
     entries.sort(key=lambda e: (e["head_dim"], e not in _overrides, -_exactness(e)))
     return [tiles for entry in entries for tiles in entry["tiles"]]
@@ -120,26 +125,30 @@ def reload() -> None:
 # ---- the choices -------------------------------------------------------------------------------
 
 
-def _first_valid(kind, head_dim, dtype, causal, arch, bucket="long") -> KernelSpec:
+def _first_valid(kind, head_dim, dtype, causal, arch, bucket="long", varlen=False) -> KernelSpec:
     check_head_dim(head_dim)  # a bad head dim is the problem, not the tiles
     error = None
-    for tiles in candidates(kind, head_dim, dtype, causal, arch, bucket):
+    for tiles in candidates(kind, head_dim, dtype, causal, arch, bucket, varlen):
+        if varlen and tiles.get("persistent"):
+            tiles = {**tiles, "persistent": False}  # the varlen Hopper forward runs one tile per CTA
         try:
-            return KernelSpec(head_dim=head_dim, dtype=dtype, causal=causal, arch=arch, kind=kind, **tiles)
+            return KernelSpec(head_dim=head_dim, dtype=dtype, causal=causal, arch=arch, kind=kind, **tiles,
+                              **({"varlen": True} if varlen else {}))
         except SpecError as rejected:
             error = rejected
     raise SpecError(f"no {kind} tile shape fits head_dim={head_dim} on {arch}: {error or 'the tuning table has no entry'}")
 
 
-def forward_spec(head_dim: int, dtype: str, causal: bool, arch: str, seqlen_q: int) -> KernelSpec:
-    """The forward kernel for a problem: the Hopper family on sm_90a, unless the query is short."""
+def forward_spec(head_dim: int, dtype: str, causal: bool, arch: str, seqlen_q: int, varlen: bool = False) -> KernelSpec:
+    """The forward kernel for a problem: the Hopper family on sm_90a, unless the query is short
+    (varlen: the longest sequence's query)."""
     if arch == "sm_90a" and not query_bucket(seqlen_q):
-        return _first_valid("fwd_sm90", head_dim, dtype, causal, arch, "long")
-    return mma_forward_spec(head_dim, dtype, causal, arch, seqlen_q)
+        return _first_valid("fwd_sm90", head_dim, dtype, causal, arch, "long", varlen)
+    return mma_forward_spec(head_dim, dtype, causal, arch, seqlen_q, varlen)
 
 
-def mma_forward_spec(head_dim: int, dtype: str, causal: bool, arch: str, seqlen_q: int) -> KernelSpec:
-    return _first_valid("fwd", head_dim, dtype, causal, arch, bucket_name(seqlen_q))
+def mma_forward_spec(head_dim: int, dtype: str, causal: bool, arch: str, seqlen_q: int, varlen: bool = False) -> KernelSpec:
+    return _first_valid("fwd", head_dim, dtype, causal, arch, bucket_name(seqlen_q), varlen)
 
 
 def tuned_spec(kind: str | None, head_dim: int, dtype: str, causal: bool, arch: str) -> KernelSpec:
@@ -151,20 +160,24 @@ def tuned_spec(kind: str | None, head_dim: int, dtype: str, causal: bool, arch: 
     return _first_valid(kind, head_dim, dtype, causal, arch)
 
 
-def backward_kinds(head_dim: int, arch: str, deterministic: bool) -> list[str]:
-    """The kinds of the backward kernels that run after the prep, in order."""
-    if arch == "sm_90a" and head_dim <= HOPPER_BACKWARD_HEAD_DIM:
+def backward_kinds(head_dim: int, arch: str, deterministic: bool, varlen: bool = False) -> list[str]:
+    """The kinds of the backward kernels that run after the prep, in order (the Hopper family has
+    no varlen layout yet)."""
+    if arch == "sm_90a" and head_dim <= HOPPER_BACKWARD_HEAD_DIM and not varlen:
         return HOPPER_BACKWARD_KINDS[deterministic]
     return BACKWARD_KINDS[(128 if head_dim <= 128 else 256, deterministic)]
 
 
-def backward_specs(head_dim: int, dtype: str, causal: bool, arch: str, deterministic: bool) -> list[KernelSpec]:
+def backward_specs(head_dim: int, dtype: str, causal: bool, arch: str, deterministic: bool, varlen: bool = False) -> list[KernelSpec]:
     """The backward kernels to run after the prep, in order."""
-    return [tuned_spec(kind, head_dim, dtype, causal, arch) for kind in backward_kinds(head_dim, arch, deterministic)]
+    kinds = backward_kinds(head_dim, arch, deterministic, varlen)
+    if varlen:
+        return [_first_valid(kind, head_dim, dtype, causal, arch, varlen=True) for kind in kinds]
+    return [tuned_spec(kind, head_dim, dtype, causal, arch) for kind in kinds]
 
 
-def backward_prep(head_dim: int, dtype: str, arch: str) -> KernelSpec:
-    return KernelSpec(head_dim=head_dim, dtype=dtype, arch=arch, kind="bwd_prep")
+def backward_prep(head_dim: int, dtype: str, arch: str, varlen: bool = False) -> KernelSpec:
+    return KernelSpec(head_dim=head_dim, dtype=dtype, arch=arch, kind="bwd_prep", **({"varlen": True} if varlen else {}))
 
 
 TEST_HEAD_DIMS = (32, 40, 64, 80, 96, 128, 192, 256)
@@ -183,3 +196,17 @@ def shipped_specs(arch: str, head_dims=TEST_HEAD_DIMS) -> list[KernelSpec]:
                     picked += backward_specs(head_dim, dtype, causal, arch, deterministic)
                 specs += [spec for spec in dict.fromkeys(picked) if spec not in specs]
     return specs
+
+
+def shipped_varlen_specs(arch: str, head_dims=TEST_HEAD_DIMS) -> list[KernelSpec]:
+    """Every spec the tables pick for attention_varlen on `arch` for these head dims (shipped_specs'
+    set, over packed sequences)."""
+    specs = []
+    for head_dim in head_dims:
+        for dtype in ("bf16", "fp16"):
+            for causal in (False, True):
+                specs += [forward_spec(head_dim, dtype, causal, arch, t, varlen=True) for t in (SHORT_QUERY, SHORT_QUERY + 1)]
+                specs.append(backward_prep(head_dim, dtype, arch, varlen=True))
+                for deterministic in (False, True):
+                    specs += backward_specs(head_dim, dtype, causal, arch, deterministic, varlen=True)
+    return list(dict.fromkeys(specs))

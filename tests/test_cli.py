@@ -198,6 +198,15 @@ def test_a_cache_directory_others_can_write_is_refused_cleanly(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this checks the message on a machine with no GPU")
 def test_bench_without_gpu_fails_clearly():
     assert failed(run("bench"), "needs an NVIDIA GPU")
+    assert failed(run("bench", "--varlen"), "needs an NVIDIA GPU")
+
+
+def test_bench_varlen_batch_is_fixed_mixed_and_32k():
+    from flashgen.bench import varlen_lengths
+
+    lengths = varlen_lengths()
+    assert lengths == varlen_lengths() and len(lengths) == 16
+    assert min(lengths) == 128 and max(lengths) == 4096 and abs(sum(lengths) - 32768) <= 1024
 
 
 def test_bench_markdown_tables():

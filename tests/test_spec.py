@@ -113,6 +113,7 @@ ALTERNATIVE = {
     "arch": "sm_80",
     "kind": "bwd_q",
     "persistent": True,
+    "varlen": True,
 }
 # Fields the mma.sync forward does not use change a spec of a family that does.
 BASE_FOR = {"persistent": KernelSpec(head_dim=64, block_m=128, block_n=128, kind="fwd_sm90")}

@@ -20,6 +20,7 @@ def test_table_is_well_formed_and_written_canonically():
         assert set(tuning.KEY_FIELDS) | {"tiles", "source"} <= set(entry), entry
         assert entry["causal"] in (True, False, "*") and entry["dtype"] in ("bf16", "fp16", "*")
         assert entry["bucket"] in ("short", "long", "*")
+        assert entry.get("varlen", "*") in (True, False, "*") and set(entry) <= set(tuning.KEY_FIELDS + tuning.OPTIONAL_FIELDS) | {"tiles", "source", "tflops"}
         for tiles in entry["tiles"]:
             assert set(tiles) <= set(tuning.TILE_FIELDS), tiles
 

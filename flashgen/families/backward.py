@@ -13,6 +13,7 @@ from ..params import Params, pointer, scalar, strides, tensor
 from ..smem import Region, SmemLayout
 from ..spec import KernelSpec, SpecError
 from .base import Family, MmaTiles
+from .forward import PACKED, sequences
 
 # The prep writes lse and delta into buffers padded to whole tiles of this many rows, so the
 # backward kernels read them without bounds checks.
@@ -23,11 +24,19 @@ def padded(seqlen_q: int) -> int:
     return -(-seqlen_q // STATS_PAD) * STATS_PAD
 
 
+def padded_varlen(total_q: int, batch: int) -> int:
+    """Rows per head of a varlen call's statistics: each sequence starts on a whole tile at
+    (cu_seqlens_q[b] + b * STATS_PAD) rounded down to one (block_info's stats_rows), so its rows and
+    their padding end before total_q + batch * STATS_PAD; rounded up to a whole tile, so that every
+    head's rows start 16-byte aligned."""
+    return padded(total_q + batch * STATS_PAD)
+
+
 class BackwardPrep(Family):
     kinds = ("bwd_prep",)
     template = "attention_bwd_prep.cu.j2"
-    fields = ("head_dim", "dtype", "arch")
-    arguments = ("o", "d_o", "lse", "d_lse", "delta", "lse_log2")
+    fields = ("head_dim", "dtype", "arch", "varlen")
+    arguments = ("o", "d_o", "lse", "d_lse", "delta", "lse_log2", "cu_seqlens_q", "max_seqlen_q")
 
     def threads(self, spec: KernelSpec) -> int:
         return 128
@@ -38,6 +47,16 @@ class BackwardPrep(Family):
         return 1 << (spec.head_dim // 8 - 1).bit_length()
 
     def params(self, spec: KernelSpec) -> Params:
+        if spec.varlen:
+            return Params(self.arguments, [
+                *tensor("o", dims=PACKED), *tensor("d_o", dims=PACKED),
+                pointer("lse", "const float*"),  # [heads, total_q]
+                pointer("d_lse", "const float*", optional=True),  # the same layout, or null
+                pointer("delta", "float*"), pointer("lse_log2", "float*"),  # [heads, padded_q]
+                pointer("cu_seqlens_q", "const int*"),
+                scalar("total_q", "int", "o.shape[0]"),
+                scalar("padded_q", "int", "delta.shape[1]"),
+            ])
         return Params(self.arguments, [
             *tensor("o"), *tensor("d_o"),
             pointer("lse", "const float*"),  # [batch, heads, seqlen_q]
@@ -49,10 +68,13 @@ class BackwardPrep(Family):
         ])
 
     def grid(self, spec: KernelSpec) -> str:
-        return f"(delta.shape[2] // {self.threads(spec) // self.lanes(spec)}, o.shape[1], o.shape[0])"
+        rows = self.threads(spec) // self.lanes(spec)
+        if spec.varlen:  # the padded rows of the longest sequence, heads, sequences
+            return f"(-(-max_seqlen_q // {STATS_PAD}) * {STATS_PAD // rows}, o.shape[1], cu_seqlens_q.shape[0] - 1)"
+        return f"(delta.shape[2] // {rows}, o.shape[1], o.shape[0])"
 
     def context(self, spec: KernelSpec) -> dict:
-        return {**super().context(spec), "lanes": self.lanes(spec), "stats_pad": STATS_PAD}
+        return {**super().context(spec), "lanes": self.lanes(spec), "stats_pad": STATS_PAD, "keys": False}
 
 
 class _BackwardTiles(MmaTiles):
@@ -61,28 +83,43 @@ class _BackwardTiles(MmaTiles):
         if STATS_PAD % spec.block_m:
             raise SpecError(f"block_m={spec.block_m}: a backward kernel needs a divisor of {STATS_PAD}")
 
-    def params_common(self):
+    def params_common(self, spec: KernelSpec):
+        if spec.varlen:
+            return [
+                *(p for name in ("q", "k", "v", "d_o") for p in tensor(name, dims=PACKED)),
+                pointer("lse_log2", "const float*"), pointer("delta", "const float*"),  # [heads, padded_q]
+            ]
         return [
             *tensor("q"), *tensor("k"), *tensor("v"), *tensor("d_o"),
             pointer("lse_log2", "const float*"), pointer("delta", "const float*"),  # [batch, heads, padded_q]
         ]
 
-    def scalars(self):
+    def scalars(self, spec: KernelSpec):
+        if spec.varlen:
+            lengths = [*sequences(), scalar("padded_q", "int", "delta.shape[1]")]
+        else:
+            lengths = [
+                scalar("seqlen_q", "int", "q.shape[2]"),
+                scalar("seqlen_k", "int", "k.shape[2]"),
+                scalar("padded_q", "int", "delta.shape[2]"),
+            ]
         return [
-            scalar("seqlen_q", "int", "q.shape[2]"),
-            scalar("seqlen_k", "int", "k.shape[2]"),
-            scalar("padded_q", "int", "delta.shape[2]"),
+            *lengths,
             scalar("kv_group", "int", "q.shape[1] // k.shape[1]"),
             scalar("scale", "float"),
             scalar("scale_log2", "float", "scale * LOG2E"),
         ]
+
+    def context(self, spec: KernelSpec) -> dict:
+        return {**super().context(spec), "stats_pad": STATS_PAD}
 
 
 class KeyMajorBackward(_BackwardTiles):
     kinds = ("bwd_kvq", "bwd_kv", "bwd_kq", "bwd_k", "bwd_v")
     template = "attention_bwd.cu.j2"
     owner = "block_n"
-    arguments = ("q", "k", "v", "d_o", "lse_log2", "delta", "dk", "dv", "dq_accum", "scale")
+    arguments = ("q", "k", "v", "d_o", "lse_log2", "delta", "dk", "dv", "dq_accum", "scale", "cu_seqlens_q", "cu_seqlens_k",
+                 "max_seqlen_k")
     tune_space = {"block_m": (16, 32, 64, 128), "block_n": (64, 128), "num_warps": (4, 8), "num_stages": (2, 3)}
 
     @staticmethod
@@ -119,14 +156,16 @@ class KeyMajorBackward(_BackwardTiles):
         grads = self.grads(spec)
         # dK and dV share one layout (both are allocated like k), passed once as dkv_*.
         outputs = [pointer(name, "elem_t*") for name in ("dk", "dv") if name[1] in grads]
-        outputs += strides("dkv", outputs[0].name)
-        if "q" in grads:
-            outputs.append(pointer("dq_accum", "float*"))  # [batch, heads, seqlen_q, head_dim], zeroed
+        outputs += strides("dkv", outputs[0].name, **({"dims": PACKED} if spec.varlen else {}))
+        if "q" in grads:  # zeroed; [batch, heads, seqlen_q, head_dim] or, varlen, [total_q, heads, head_dim]
+            outputs.append(pointer("dq_accum", "float*"))
         return Params(self.arguments, [
-            *self.params_common(), *outputs, *self.scalars(), scalar("kv_heads", "int", "k.shape[1]"),
+            *self.params_common(spec), *outputs, *self.scalars(spec), scalar("kv_heads", "int", "k.shape[1]"),
         ])
 
     def grid(self, spec: KernelSpec) -> str:
+        if spec.varlen:  # key tiles of the longest sequence, key/value heads, sequences
+            return f"(-(-max_seqlen_k // {spec.block_n}), k.shape[1], cu_seqlens_k.shape[0] - 1)"
         return f"(-(-k.shape[2] // {spec.block_n}), k.shape[1], k.shape[0])"
 
     def context(self, spec: KernelSpec) -> dict:
@@ -175,7 +214,7 @@ class QueryMajorBackward(_BackwardTiles):
     kinds = ("bwd_q",)
     template = "attention_bwd_q.cu.j2"
     owner = "block_m"
-    arguments = ("q", "k", "v", "d_o", "lse_log2", "delta", "dq", "scale")
+    arguments = ("q", "k", "v", "d_o", "lse_log2", "delta", "dq", "scale", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q")
     tune_space = {"block_m": (32, 64, 128), "block_n": (32, 64), "num_warps": (2, 4), "num_stages": (2,)}
 
     def accumulators(self, spec: KernelSpec) -> int:
@@ -189,9 +228,15 @@ class QueryMajorBackward(_BackwardTiles):
         ])
 
     def params(self, spec: KernelSpec) -> Params:
+        if spec.varlen:  # the statistics' rows come from block_info: no head count needed
+            return Params(self.arguments, [
+                *self.params_common(spec), *tensor("dq", const=False, dims=PACKED), *self.scalars(spec),
+            ])
         return Params(self.arguments, [
-            *self.params_common(), *tensor("dq", const=False), *self.scalars(), scalar("heads", "int", "q.shape[1]"),
+            *self.params_common(spec), *tensor("dq", const=False), *self.scalars(spec), scalar("heads", "int", "q.shape[1]"),
         ])
 
     def grid(self, spec: KernelSpec) -> str:
+        if spec.varlen:  # query tiles of the longest sequence, heads, sequences
+            return f"(-(-max_seqlen_q // {spec.block_m}), q.shape[1], cu_seqlens_q.shape[0] - 1)"
         return f"(-(-q.shape[2] // {spec.block_m}), q.shape[1], q.shape[0])"

@@ -25,6 +25,7 @@ NAME_PARTS = {
     "num_stages": "s{}",
     "arch": None,  # sm_90a -> sm90a
     "persistent": None,  # "persistent", or nothing
+    "varlen": None,  # "varlen", or nothing
 }
 
 
@@ -69,8 +70,8 @@ class Family:
                     parts.append("causal" if value else "full")
                 elif field == "arch":
                     parts.append(value.replace("_", ""))
-                elif field == "persistent":
-                    parts += ["persistent"] if value else []
+                elif field in ("persistent", "varlen"):
+                    parts += [field] if value else []
                 else:
                     parts.append(form.format(value))
         return "_".join(parts)
@@ -128,6 +129,7 @@ class MmaTiles(Family):
     registers."""
 
     owner = "block_m"
+    fields = tuple(field for field in NAME_PARTS if field != "persistent")  # one block per tile, always
     max_accumulators = 192  # fp32 accumulators per thread that fit in 255 registers with room to spare
 
     def check(self, spec: KernelSpec) -> None:

@@ -10,9 +10,17 @@ from ..spec import KernelSpec
 from .base import MmaTiles
 
 
-def forward_outputs_and_sizes() -> list[Param]:
-    """What every forward kernel takes after its inputs: the optional lse, the lengths, the head
-    counts, and the softmax scale in base 2 (the softmax runs in base 2)."""
+def forward_outputs_and_sizes(varlen: bool = False) -> list[Param]:
+    """What every forward kernel takes after its inputs: the optional lse, the lengths (varlen: the
+    sequences' offsets and the packed totals), the head counts, and the softmax scale in base 2 (the
+    softmax runs in base 2)."""
+    if varlen:
+        return [
+            pointer("lse", "float*", optional=True),  # [heads, total_q] fp32, or null
+            *sequences(),
+            scalar("kv_group", "int", "q.shape[1] // k.shape[1]"),
+            scalar("scale_log2", "float", "scale * LOG2E"),
+        ]
     return [
         pointer("lse", "float*", optional=True),  # [batch, heads, seqlen_q] fp32, or null
         scalar("seqlen_q", "int", "q.shape[2]"),
@@ -23,11 +31,23 @@ def forward_outputs_and_sizes() -> list[Param]:
     ]
 
 
+def sequences() -> list[Param]:
+    """Where a varlen call's sequences are: int32 [batch + 1] offsets into the packed queries and
+    keys, and the packed lengths (templates/block_info.cuh.j2 clamps every offset to them)."""
+    return [
+        pointer("cu_seqlens_q", "const int*"), pointer("cu_seqlens_k", "const int*"),
+        scalar("total_q", "int", "q.shape[0]"), scalar("total_k", "int", "k.shape[0]"),
+    ]
+
+
+PACKED = ("row", "head")  # the strides of a packed (total, heads, d) tensor, in order
+
+
 class MmaForward(MmaTiles):
     kinds = ("fwd",)
     template = "attention_fwd.cu.j2"
     owner = "block_m"
-    arguments = ("q", "k", "v", "o", "lse", "scale")
+    arguments = ("q", "k", "v", "o", "lse", "scale", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q")
     forward = True
     tune_space = {"block_m": (64, 128), "block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3)}
 
@@ -40,9 +60,13 @@ class MmaForward(MmaTiles):
         return SmemLayout([Region("q", spec.block_m * row), Region("k", tiles), Region("v", tiles)])
 
     def params(self, spec: KernelSpec) -> Params:
+        dims = {"dims": PACKED} if spec.varlen else {}
         return Params(self.arguments, [
-            *tensor("q"), *tensor("k"), *tensor("v"), *tensor("o", const=False), *forward_outputs_and_sizes(),
+            *tensor("q", **dims), *tensor("k", **dims), *tensor("v", **dims), *tensor("o", const=False, **dims),
+            *forward_outputs_and_sizes(spec.varlen),
         ])
 
     def grid(self, spec: KernelSpec) -> str:
+        if spec.varlen:  # tiles of the longest sequence, heads, sequences
+            return f"(-(-max_seqlen_q // {spec.block_m}), q.shape[1], cu_seqlens_q.shape[0] - 1)"
         return f"(-(-q.shape[2] // {spec.block_m}), q.shape[1], q.shape[0])"

@@ -7,11 +7,11 @@ and ping-pong between the consumer warpgroups. O leaves through shared memory wi
 
 from __future__ import annotations
 
-from ..params import Params, scalar, tensormap
+from ..params import Param, Params, scalar, strides, tensormap
 from ..smem import Region, SmemLayout
 from ..spec import SMEM_LIMIT, KernelSpec, SpecError
 from .base import Family
-from .forward import forward_outputs_and_sizes
+from .forward import PACKED, forward_outputs_and_sizes
 
 # Registers a consumer thread may hold in accumulators (S, O, and P packed), by consumer
 # warpgroups: setmaxnreg gives each 240 (two consumers) or 160 (three) registers.
@@ -40,8 +40,8 @@ def _sm_count(t) -> int:
 class HopperForward(Family):
     kinds = ("fwd_sm90",)
     template = "attention_fwd_sm90.cu.j2"
-    fields = ("head_dim", "block_m", "block_n", "dtype", "causal", "num_stages", "arch", "persistent")
-    arguments = ("q", "k", "v", "o", "lse", "scale")
+    fields = ("head_dim", "block_m", "block_n", "dtype", "causal", "num_stages", "arch", "persistent", "varlen")
+    arguments = ("q", "k", "v", "o", "lse", "scale", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q")
     forward = True
     tune_space = {"block_m": (128, 192), "block_n": (64, 80, 96, 112, 128, 144, 160, 176), "num_stages": (2, 3),
                   "persistent": (False, True)}
@@ -64,6 +64,8 @@ class HopperForward(Family):
             raise SpecError(f"block_n={spec.block_n}: must be a multiple of 16 in [16, 256]")
         if spec.num_stages not in (2, 3, 4):
             raise SpecError(f"num_stages={spec.num_stages}: must be one of (2, 3, 4)")
+        if spec.varlen and spec.persistent:
+            raise SpecError("varlen=True, persistent=True: the varlen Hopper forward runs one tile per CTA (persistent=False)")
         held = spec.block_n // 2 + self.head_dim_pad(spec) // 2 + spec.block_n // 4
         limit = MAX_ACCUMULATORS[self.consumers(spec)]
         if held > limit:
@@ -93,6 +95,16 @@ class HopperForward(Family):
         return SmemLayout(regions)
 
     def params(self, spec: KernelSpec) -> Params:
+        if spec.varlen:  # packed (total, heads, d) tensors: maps of a batch of one, and O's own strides
+            return Params(self.arguments, [
+                tensormap("q_map", f"tensor_map(q, {spec.block_m})"),
+                tensormap("k_map", f"tensor_map(k, {spec.block_n})"),
+                tensormap("v_map", f"tensor_map(v, {spec.block_n})"),
+                tensormap("o_map", "tensor_map(o, 64)"),
+                # partial O tiles leave through plain clipped stores (o_ptr: `o` is the accumulator there)
+                Param("o_ptr", "elem_t* __restrict__", "ptr", "o.data_ptr()", "o"), *strides("o", "o", dims=PACKED),
+                *forward_outputs_and_sizes(varlen=True),
+            ])
         return Params(self.arguments, [
             tensormap("q_map", f"tensor_map(q, {spec.block_m})"),
             tensormap("k_map", f"tensor_map(k, {spec.block_n})"),
@@ -110,6 +122,8 @@ class HopperForward(Family):
         return f"-(-q.shape[2] // {spec.block_m}) * q.shape[1] * q.shape[0]"
 
     def grid(self, spec: KernelSpec) -> str:
+        if spec.varlen:  # tiles of the longest sequence, heads, sequences
+            return f"(-(-max_seqlen_q // {spec.block_m}), q.shape[1], cu_seqlens_q.shape[0] - 1)"
         if spec.persistent:  # one block per SM (fewer if there are fewer tiles), each walking tiles
             return f"(min({self._tiles(spec)}, sm_count(q)), 1, 1)"
         return f"(-(-q.shape[2] // {spec.block_m}), q.shape[1], q.shape[0])"

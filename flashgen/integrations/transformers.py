@@ -11,7 +11,10 @@ What transformers passes is read as its FlashAttention path reads it: query/key/
 (batch, heads, length, d) with fewer key/value heads under GQA (never repeated here), `scaling`,
 `sliding_window` (a query sees itself and the `sliding_window - 1` keys before it), `softcap`,
 `is_causal`, and the attention mask as the 2-D (batch, kv length) padding mask that transformers'
-`flash_attention_mask` makes (None when nothing is padded). A padded batch is run exactly: the real
+`flash_attention_mask` makes (None when nothing is padded). A sliding window shorter than the keys,
+or a softcap, is passed on as FlashAttention's `window_size` / `softcap` only when the model sets
+it, and only to kernels that take those keywords: until flashgen's attention variants exist, such a
+model gets a ValueError naming sliding_window / softcap. A padded batch is run exactly: the real
 tokens of each row are gathered into one packed batch for `flashgen.attention_varlen` (so no work
 and no probability mass goes to padding) and scattered back; padded query rows come out as zeros.
 Packed sequences (`cu_seq_lens_q`/`cu_seq_lens_k` from a data collator) go to `attention_varlen`
@@ -58,10 +61,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     head_dim, v_head_dim = query.shape[-1], value.shape[-1]
     if v_head_dim != head_dim:  # e.g. MLA: pad V to the query's head dim, crop the output
         value = torch.nn.functional.pad(value, [0, head_dim - v_head_dim])
-    window = (-1, -1)
+    options = {}  # the variants this model uses, in FlashAttention's keywords
     if sliding_window is not None and sliding_window < key.shape[2]:
-        window = (sliding_window - 1, sliding_window - 1 if not is_causal else 0)
-    options = {"window_size": window, "softcap": float(softcap or 0.0)}
+        options["window_size"] = (sliding_window - 1, sliding_window - 1 if not is_causal else 0)
+    if softcap:
+        options["softcap"] = float(softcap)
+    if options:
+        _check_variants(options, attention, attention_varlen)
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None and cu_k is not None and query.shape[0] == 1:
@@ -75,6 +81,22 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     else:
         out = _padded(attention_varlen, query, key, value, attention_mask, is_causal, scaling, options)
     return out[..., :v_head_dim].contiguous(), None
+
+
+_SETTINGS = {"window_size": "sliding_window", "softcap": "softcap"}  # FlashAttention keyword -> transformers'
+
+
+def _check_variants(options: dict, *kernels) -> None:
+    """Raise a ValueError naming the model's settings that the kernels take no keyword for."""
+    import inspect
+
+    missing = [name for name in options if any(name not in inspect.signature(fn).parameters for fn in kernels)]
+    if missing:
+        settings = " and ".join(_SETTINGS[name] for name in missing)
+        raise ValueError(
+            f"this model sets {settings}, which flashgen's attention does not support yet (the attention "
+            f"variants come later); load it with attn_implementation='sdpa' (or 'eager') instead"
+        )
 
 
 def _padded(attention_varlen, query, key, value, mask, causal, scale, options):

@@ -1,0 +1,312 @@
+"""flashgen.attention_varlen: a batch of sequences of different lengths, packed without padding,
+with the names, layouts and semantics of FlashAttention's `flash_attn_varlen_func`.
+
+The kernels are the varlen forms of attention()'s (the `varlen` spec field): block_info finds each
+sequence's rows through cu_seqlens, so no token is copied into a padded layout and no block works
+on padding (blocks past their sequence's end exit at once). Like attention(), the call goes through
+torch.library custom ops under torch.compile and straight to the implementation in eager mode; it
+reads nothing from the GPU on the host, so it never syncs and is CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import plans
+from .plans import DTYPES, MAX_GRID_YZ
+from .spec import HEAD_DIM_RULE
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """cp.async and TMA move 16 bytes: the base and the row and head strides must be multiples of 8
+    elements, the last dimension contiguous (a gradient can arrive expanded); otherwise a copy."""
+    if t.is_contiguous() and not t.data_ptr() % 16:
+        return t
+    s0, s1, s2 = t.stride()
+    n0, n1, _ = t.shape  # the stride of a dimension of size 1 is never used
+    if s2 == 1 and not t.data_ptr() % 16 and (n0 == 1 or not s0 % 8) and (n1 == 1 or not s1 % 8):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, causal: bool, scale: float, kernel: str,
+                 need_lse: bool = True):
+    """(o, lse) by the varlen forward plan: o like q, lse (heads, total_q) fp32 or None when not
+    needed. `kernel` is the canonical text of the spec to run, or "" for the tables' choice."""
+    total_q, heads, head_dim = q.shape
+    o = torch.empty_like(q)
+    lse = torch.empty(heads, total_q, dtype=torch.float32, device=q.device) if need_lse else None
+    if o.numel() == 0:
+        return o, lse
+    if k.shape[0] == 0:  # no keys at all: every row sees nothing
+        return o.zero_(), None if lse is None else lse.fill_(-math.inf)
+    device = q.get_device()
+    max_seqlen_q = min(max_seqlen_q, total_q)  # no sequence is longer than the packed tensor
+    plan = plans.forward_varlen(device, head_dim, q.dtype, causal, max_seqlen_q, kernel)
+    plan.run(device, {
+        "q": _aligned(q), "k": _aligned(k), "v": _aligned(v), "o": o, "lse": lse, "scale": scale,
+        "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
+    })
+    return o, lse
+
+
+def backward_impl(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                  causal: bool, scale: float, deterministic: bool, kernel: str = ""):
+    """(dq, dk, dv) from the forward's inputs, output and lse; P is recomputed."""
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
+    if q.shape[0] == 0 or k.shape[0] == 0 or q.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    device = q.get_device()
+    plan = plans.backward_varlen(device, q.shape[2], q.dtype, causal, deterministic, kernel)
+    values = {name: _aligned(t) for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("d_o", d_o))}
+    values.update(
+        lse=lse.contiguous(), d_lse=None if d_lse is None else d_lse.contiguous(), dq=dq, dk=dk, dv=dv, scale=scale,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=min(max_seqlen_q, q.shape[0]), max_seqlen_k=min(max_seqlen_k, k.shape[0]),
+    )
+    plan.run(device, values)
+    return dq, dk, dv
+
+
+@torch.library.custom_op("flashgen::attention_varlen_fwd", mutates_args=(), device_types="cuda")
+def attention_varlen_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float, kernel: str, deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse). max_seqlen_k and `deterministic` are for the backward."""
+    return forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale, kernel)
+
+
+@attention_varlen_fwd.register_fake
+def _attention_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, kernel,
+                               deterministic):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashgen::attention_varlen_bwd", mutates_args=(), device_types="cuda")
+def attention_varlen_bwd(
+    d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+    d_lse: torch.Tensor | None, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+    max_seqlen_k: int, causal: bool, scale: float, deterministic: bool, kernel: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) from the forward's inputs, output and lse; P is recomputed."""
+    return backward_impl(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                         scale, deterministic, kernel)
+
+
+@attention_varlen_bwd.register_fake
+def _attention_varlen_bwd_fake(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               causal, scale, deterministic, kernel):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, kernel, deterministic = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
+    ctx.causal, ctx.scale, ctx.kernel, ctx.deterministic = causal, scale, kernel, deterministic
+    ctx.set_materialize_grads(False)  # an unused lse then costs nothing in the backward
+
+
+def _backward(ctx, d_o, d_lse, backward=attention_varlen_bwd):
+    q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    if d_o is None:
+        d_o = torch.zeros_like(o)
+    dq, dk, dv = backward(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k,
+                          ctx.causal, ctx.scale, ctx.deterministic, ctx.kernel)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+attention_varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerVarlen(torch.autograd.Function):
+    """The custom op's autograd, minus the dispatcher: what eager training calls."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, _, causal, scale, kernel, _ = inputs
+        output = forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale, kernel)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, d_o, d_lse):
+        return _backward(ctx, d_o, d_lse, backward=backward_impl)
+
+
+def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal: bool, scale: float, kernel: str,
+        deterministic: bool, need_lse: bool = True):
+    """(o, lse): through the custom op when torch.compile traces the call; in eager mode through the
+    same implementation directly (with autograd only when a gradient is needed)."""
+    inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, kernel, deterministic)
+    if torch.compiler.is_compiling():
+        return attention_varlen_fwd(*inputs)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _EagerVarlen.apply(*inputs)
+    return forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale, kernel, need_lse)
+
+
+# ---- input checks -------------------------------------------------------------------------------
+
+
+def _is_length(value) -> bool:
+    return isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool)
+
+
+def _well_formed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> bool:
+    """The per-call fast path of check_inputs: True when nothing is wrong."""
+    if not type(q) is type(k) is type(v) is type(cu_seqlens_q) is type(cu_seqlens_k) is torch.Tensor:
+        return False
+    q_shape, k_shape, cu_shape = q.shape, k.shape, cu_seqlens_q.shape
+    if len(q_shape) != 3 or len(k_shape) != 3 or len(cu_shape) != 1 or cu_seqlens_k.shape != cu_shape:
+        return False
+    total_q, heads, head_dim = q_shape
+    total_k, kv_heads, kv_dim = k_shape
+    batch = cu_shape[0] - 1
+    device = q.get_device()
+    return (
+        q.dtype in DTYPES and q.dtype == k.dtype == v.dtype and v.shape == k_shape
+        and kv_dim == head_dim and kv_heads and not heads % kv_heads and heads <= MAX_GRID_YZ
+        and not head_dim % 8 and 8 <= head_dim <= 256
+        and q.stride()[2] == 1 and k.stride()[2] == 1 and v.stride()[2] == 1
+        and cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32 and 0 <= batch <= MAX_GRID_YZ
+        and _is_length(max_seqlen_q) and _is_length(max_seqlen_k)
+        and (max_seqlen_q > 0 if total_q else max_seqlen_q >= 0) and (max_seqlen_k > 0 if total_k else max_seqlen_k >= 0)
+        and (batch > 0 or not (total_q or total_k))
+        and q.is_cuda and device == k.get_device() == v.get_device() == cu_seqlens_q.get_device() == cu_seqlens_k.get_device()
+    )
+
+
+def check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kernel: bool = True) -> None:
+    """Every check that needs neither the GPU nor cu_seqlens' values: named errors for what the
+    kernels cannot take. The reference runs them with kernel=False: any floating dtype and head dim,
+    any strides."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, t, rows in (("q", q, "total_q, heads"), ("k", k, "total_k, heads_kv"), ("v", v, "total_k, heads_kv")):
+        if t.dim() != 3:
+            raise ValueError(
+                f"{name} must have 3 dimensions ({rows}, head_dim): packed sequences, like "
+                f"flash_attn_varlen_func; got shape {tuple(t.shape)}"
+            )
+        if t.dtype not in DTYPES and (kernel or not t.dtype.is_floating_point):
+            raise TypeError(
+                f"{name} has dtype {t.dtype}; flashgen supports torch.float16 and torch.bfloat16 "
+                f"(cast with .to(torch.bfloat16))"
+            )
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k, v must share one dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape (total_k, heads_kv, head_dim); got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    total_q, heads, head_dim = q.shape
+    if k.shape[1] == 0 or heads % k.shape[1]:
+        raise ValueError(
+            f"q has {heads} heads and k, v have {k.shape[1]}: the number of query heads must be a "
+            f"multiple of the number of key/value heads (GQA/MQA)"
+        )
+    if k.shape[2] != head_dim:
+        raise ValueError(f"q, k, v must have the same head_dim; got q {head_dim}, k {k.shape[2]}, v {v.shape[2]}")
+    if kernel and (head_dim % 8 or not 8 <= head_dim <= 256):
+        raise ValueError(f"head_dim={head_dim} is not supported: it must be {HEAD_DIM_RULE}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if kernel and t.stride(-1) != 1:
+            raise ValueError(
+                f"{name}'s last dimension must be contiguous (stride 1), got stride {t.stride(-1)}; "
+                f"other strides may be anything (call .contiguous() on a transposed head_dim)"
+            )
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32 (FlashAttention's layout), got {cu.dtype}; cast with .to(torch.int32)")
+        if cu.dim() != 1 or cu.shape[0] < 1:
+            raise ValueError(
+                f"{name} must have shape (batch + 1,): each sequence's first row, then the total; "
+                f"got shape {tuple(cu.shape)}"
+            )
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must both have shape (batch + 1,); got {tuple(cu_seqlens_q.shape)} "
+            f"and {tuple(cu_seqlens_k.shape)}"
+        )
+    batch = cu_seqlens_q.shape[0] - 1
+    if batch > MAX_GRID_YZ or heads > MAX_GRID_YZ:
+        raise ValueError(
+            f"attention_varlen takes at most {MAX_GRID_YZ:,} sequences and {MAX_GRID_YZ:,} query heads a call "
+            f"(a grid's z and y); got {batch:,} sequences of {heads:,} heads: split the call"
+        )
+    for name, value, total, t in (("max_seqlen_q", max_seqlen_q, total_q, "q"), ("max_seqlen_k", max_seqlen_k, k.shape[0], "k")):
+        if not _is_length(value) or value < 0:
+            raise ValueError(f"{name}={value!r}: must be a non-negative int, the longest sequence's length (a Python int)")
+        if total and not value:
+            raise ValueError(f"{name}=0 but {t} has {total} rows: it must be the longest sequence's length")
+        if total and not batch:
+            raise ValueError(f"cu_seqlens_{t[0]} holds no sequence (shape (1,)) but {t} has {total} rows")
+
+
+def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+    """Raise a clear error for anything the kernels cannot take (nothing that needs a sync)."""
+    if _well_formed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+        return
+    check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    tensors = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
+    devices = {t.device for t in tensors.values()}
+    if len(devices) > 1:
+        where = ", ".join(f"{name} {t.device}" for name, t in tensors.items())
+        raise ValueError(f"q, k, v, cu_seqlens_q, cu_seqlens_k must be on one device; got {where}")
+    if q.device.type != "cuda":
+        why = "" if torch.cuda.is_available() else " (and PyTorch sees no CUDA GPU on this machine)"
+        raise ValueError(f"flashgen.attention_varlen runs on NVIDIA GPUs: its inputs are on {q.device}{why}")
+
+
+def _scale(scale, head_dim: int) -> float:
+    if scale is None:
+        return head_dim**-0.5
+    scale = float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"softmax_scale={scale}: must be a positive finite number (default 1/sqrt(head_dim))")
+    return scale
+
+
+def attention_varlen(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None, causal: bool = False,
+    deterministic: bool = False, return_lse: bool = False,
+):
+    """Exact attention over a batch of sequences of different lengths, packed without padding;
+    FlashAttention's flash_attn_varlen_func (names, layouts, semantics). Differentiable.
+
+    q: (total_q, heads, d); k, v: (total_k, heads_kv, d), heads a multiple of heads_kv (GQA/MQA);
+    float16 or bfloat16 on one CUDA device, any row/head strides with the last dimension
+    contiguous; d a multiple of 8 up to 256. cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) on the
+    same device: sequence b is query rows cu_seqlens_q[b] ... cu_seqlens_q[b + 1] - 1 and key rows
+    cu_seqlens_k[b] ... cu_seqlens_k[b + 1] - 1. max_seqlen_q, max_seqlen_k: Python ints, the
+    longest query and key lengths (they size the grid). A sequence may be empty.
+    causal=True aligns the mask bottom-right in each sequence: query i of sequence b sees key j
+    iff j <= i + len_k(b) - len_q(b). A query that sees no key gets 0 (and lse -inf).
+    softmax_scale defaults to 1/sqrt(d). Under torch.autocast, float32 inputs are cast to the
+    autocast dtype first. Returns out (total_q, heads, d), and with return_lse=True also the
+    (heads, total_q) fp32 log-sum-exp of the scaled scores (natural log), FlashAttention's varlen
+    layout. deterministic=True gives bitwise-reproducible gradients, as in attention().
+
+    Checked on every call, without a sync: types, shapes (3-D packed tensors, (batch + 1,)
+    offsets), dtypes (int32 offsets), GQA head counts, head dims, devices, max_seqlen values.
+    Not checked: cu_seqlens' values (starting at 0, non-decreasing, ending at total_q / total_k,
+    no sequence longer than max_seqlen), which would need them on the host, a device sync on every
+    call, and no CUDA-graph capture; flashgen.reference.attention_varlen checks them. Whatever
+    they hold, the kernels clamp every offset into the packed tensors, so bad values give wrong
+    rows, never an access outside q, k, v or out; rows of a sequence longer than max_seqlen_q are
+    left uncomputed (as in FlashAttention).
+    """
+    if isinstance(q, torch.Tensor) and q.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
+        dtype = torch.get_autocast_dtype("cuda")  # under autocast, like SDPA: fp32 in, autocast dtype
+        q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
+    check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    o, lse = run(
+        q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k, bool(causal),
+        _scale(softmax_scale, q.shape[-1]), "", bool(deterministic), need_lse=bool(return_lse),
+    )
+    return (o, lse) if return_lse else o
+

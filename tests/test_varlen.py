@@ -1,0 +1,374 @@
+"""attention_varlen without a GPU: the varlen spec field, its kernels (rendering, NVRTC with no
+spills, parameter lists against the PTX, launch packing and plans), the statistics layout, the
+reference against naive attention per sequence, and the input errors."""
+
+import math
+import random
+import re
+
+import pytest
+import torch
+from test_launch import PTX_TYPES, driver, stub_kernels, unpack  # noqa: F401  (fixtures)
+
+import flashgen
+from flashgen import plans, tuning
+from flashgen.compile import compile_ptx, compile_source
+from flashgen.families import STATS_PAD
+from flashgen.families.backward import padded_varlen
+from flashgen.kernels import Kernel
+from flashgen.reference import attention_varlen as reference_varlen
+from flashgen.reference import naive_attention
+from flashgen.render import render
+from flashgen.spec import SMEM_LIMIT, KernelSpec, SpecError
+
+# Every spec attention_varlen runs on the H200, and on sm_80 for the head dims test_compile covers.
+SHIPPED = tuning.shipped_varlen_specs("sm_90a") + tuning.shipped_varlen_specs("sm_80", head_dims=(64, 128))
+FIXED = tuning.shipped_specs("sm_90a") + tuning.shipped_specs("sm_80", head_dims=(64, 128))
+
+
+# ---- the spec field ------------------------------------------------------------------------------
+
+
+def test_varlen_is_a_spec_field_named_only_when_set():
+    spec = KernelSpec(head_dim=64, causal=True, varlen=True)
+    assert spec.name == "fwd_d64_m128_n64_bf16_causal_w4_s2_sm90a_varlen"
+    assert spec.replace(varlen=False).name == "fwd_d64_m128_n64_bf16_causal_w4_s2_sm90a"
+    assert KernelSpec.from_json(spec.canonical()) == spec and spec.ident != spec.replace(varlen=False).ident
+    with pytest.raises(SpecError, match="varlen=1: must be True or False"):
+        KernelSpec(head_dim=64, varlen=1)
+
+
+def test_the_varlen_hopper_forward_runs_one_tile_per_cta():
+    with pytest.raises(SpecError, match="varlen=True, persistent=True"):
+        KernelSpec(head_dim=128, block_m=128, block_n=128, kind="fwd_sm90", varlen=True, persistent=True)
+
+
+def test_mma_families_do_not_take_persistent():
+    """They have no persistent schedule: the field would name a second spec for one kernel."""
+    with pytest.raises(SpecError, match="a fwd kernel does not use persistent"):
+        KernelSpec(head_dim=64, persistent=True)
+
+
+def test_shipped_varlen_specs_cover_every_family_on_both_targets():
+    assert len(set(SHIPPED)) == len(SHIPPED) and all(spec.varlen for spec in SHIPPED)
+    no_varlen = {"bwd_sm90_kvq", "bwd_sm90_kv"}  # the Hopper backward has no varlen layout yet
+    assert {spec.kind for spec in SHIPPED} == set(flashgen.families.KINDS) - no_varlen
+    assert not any(spec.persistent for spec in SHIPPED)
+
+
+def test_varlen_table_entries_change_no_fixed_length_choice():
+    """The varlen entries of the tuning table match only varlen problems; where they are absent a
+    varlen kernel takes the fixed-length tiles."""
+    assert not any(spec.varlen for spec in FIXED)
+    fixed = tuning.backward_specs(64, "bf16", True, "sm_90a", deterministic=True)
+    varlen = tuning.backward_specs(64, "bf16", True, "sm_90a", deterministic=True, varlen=True)
+    assert fixed[0].block_m == 128 and varlen[0].block_m == 64  # bwd_kv: the varlen entry's first tile
+    assert varlen[1] == fixed[1].replace(varlen=True)  # bwd_q: no varlen entry, the same tiles
+    entry = next(e for e in tuning.table()["entries"] if e.get("varlen"))
+    assert tuning._matches(entry, {**entry, "arch": "sm_90a", "dtype": "bf16", "causal": False, "bucket": "short", "varlen": True})
+    assert not tuning._matches(entry, {**entry, "arch": "sm_90a", "dtype": "bf16", "causal": False, "bucket": "short", "varlen": False})
+
+
+# ---- rendering -------------------------------------------------------------------------------------
+
+TRACES = ("cu_seqlens", "q_start", "k_start", "total_q", "total_k", "_varlen", "stats_rows", "q_rows", "k_rows")
+
+
+@pytest.mark.parametrize("spec", FIXED[::7], ids=lambda spec: spec.name)
+def test_a_fixed_length_spec_renders_no_trace_of_varlen(spec):
+    source = render(spec)
+    assert not [trace for trace in TRACES if trace in source]
+    assert "block.rows(" in source or spec.kind.startswith(("fwd_sm90", "bwd_sm90"))  # TMA coordinates instead
+
+
+def test_the_mma_forward_finds_its_sequence_and_exits_past_its_end():
+    source = render(KernelSpec(head_dim=64, causal=True, varlen=True))
+    for piece in (
+        "const BlockInfo block = block_info(cu_seqlens_q, cu_seqlens_k, total_q, total_k);",
+        "if (block.tile >= m_blocks) return;",
+        "const int m0 = (m_blocks - 1 - block.tile) * BLOCK_M;",
+        "k += block.k_rows(k_row, k_head, block.head / kv_group);",
+        "q + block.q_rows(q_row, q_head, block.head) + m0 * q_row",
+        "lse + i64(block.head) * total_q + block.q_start",
+        "const elem_t* __restrict__ q, i64 q_row, i64 q_head,",
+        "min(max(__ldg(cu_seqlens + batch), 0), total)",  # offsets clamped into the tensors
+    ):
+        assert piece in source, piece
+    assert "block.rows(" not in source and "q_batch" not in source
+
+
+def test_the_hopper_forward_offsets_its_maps_and_clips_partial_tiles():
+    spec = KernelSpec(head_dim=128, block_m=128, block_n=128, causal=True, kind="fwd_sm90", varlen=True)
+    source = render(spec)
+    for piece in (
+        "block.k_start + n0, tl.kv_head, 0,",  # K and V: the sequence's rows of a batch of one
+        "block.q_start + tl.m0, tl.head, 0,",
+        "if (block.tile >= num_m_blocks) return;",
+        "if (wg_rows > 0 && wg_rows < 64) {",  # a partial tile: plain stores, rows before the end only
+        "if (r < wg_rows)",
+        "if (wg_rows >= 64) {",  # only whole tiles go through TMA
+        "block.q_start + wg_row, tl.head, 0);",
+        "elem_t* __restrict__ o_ptr, i64 o_row, i64 o_head,",
+    ):
+        assert piece in source, piece
+
+
+def test_the_backward_kernels_read_statistics_by_sequence():
+    prep = render(tuning.backward_prep(64, "bf16", "sm_90a", varlen=True))
+    assert "block.stats_rows(block.head, padded_q) + row" in prep and "block_info(cu_seqlens_q, total_q)" in prep
+    assert f"(seqlen_q + {STATS_PAD} - 1) / {STATS_PAD} * {STATS_PAD}) return;" in prep  # past its padded rows
+    kvq = render(tuning.tuned_spec("bwd_kvq", 128, "bf16", True, "sm_90a").replace(varlen=True))
+    assert "block.stats_rows(head, padded_q) + m0 + chunk * 4" in kvq and "if (n0 >= seqlen_k) return;" in kvq
+    assert "dq_accum + (i64(block.q_start + row) * q_heads + head) * HEAD_DIM" in kvq and "dst + row8 + j * 8" in kvq
+    dq = render(tuning.tuned_spec("bwd_q", 128, "bf16", True, "sm_90a").replace(varlen=True))
+    assert "block.stats_rows(block.head, padded_q) + m0" in dq and "if (block.tile >= m_blocks) return;" in dq
+
+
+# ---- NVRTC ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", SHIPPED, ids=lambda spec: spec.name)
+def test_shipped_varlen_spec_compiles_without_spills(spec):
+    binary = compile_source(spec, render(spec))
+    res = binary.resources
+    assert 0 < res.registers <= 255, binary.log
+    assert res.spills == 0 and res.stack_frame == 0, binary.log
+    assert "setmaxnreg" not in binary.log, binary.log
+    assert spec.smem_bytes + res.static_smem <= SMEM_LIMIT[spec.arch]
+
+
+ONE_OF_EACH_KIND = [
+    KernelSpec(head_dim=64, causal=True, varlen=True),
+    KernelSpec(head_dim=96, block_m=128, block_n=128, causal=True, kind="fwd_sm90", varlen=True),
+    tuning.backward_prep(96, "fp16", "sm_90a", varlen=True),
+    *(tuning.tuned_spec(kind, 128, "bf16", True, "sm_90a").replace(varlen=True) for kind in ("bwd_kvq", "bwd_kv", "bwd_q")),
+    *(tuning.tuned_spec(kind, 256, "bf16", False, "sm_90a").replace(varlen=True) for kind in ("bwd_v", "bwd_kq")),
+    tuning.tuned_spec("bwd_kvq", 64, "bf16", False, "sm_80").replace(varlen=True),
+]
+
+
+@pytest.mark.parametrize("spec", ONE_OF_EACH_KIND, ids=lambda spec: spec.name)
+def test_parameter_list_matches_the_compiled_kernel(spec):
+    ptx = compile_ptx(spec, render(spec)).decode()
+    entry = re.search(rf"\.entry {spec.name}\((.*?)\)", ptx, re.S).group(1)
+    compiled = re.findall(r"\.param (\.align \d+ \.b8|\.\w+)(?: \.ptr[^ ]*)? (\w+?)(\[\d+\])?,?\n", entry)
+    params = spec.family.params(spec).params
+    assert [(ptype, size) for ptype, _, size in compiled] == [
+        (PTX_TYPES[p.kind], "") if p.kind != "tensormap" else (".align 64 .b8", "[128]") for p in params
+    ]
+
+
+def test_the_hopper_forward_still_holds_the_hopper_instructions():
+    spec = KernelSpec(head_dim=128, block_m=128, block_n=128, causal=True, kind="fwd_sm90", varlen=True)
+    ptx = compile_ptx(spec, render(spec)).decode()
+    for instruction in ("wgmma.mma_async.sync.aligned", "cp.async.bulk.tensor.4d.global.shared::cta", "setmaxnreg.inc", "ld.shared.v4.u32"):
+        assert instruction in ptx, instruction
+    assert "ld.local" not in ptx
+
+
+# ---- launches and plans (the driver is stubbed) -------------------------------------------------------
+
+
+def packed(cu, heads, d, dtype=torch.bfloat16):
+    return torch.zeros(cu[-1], heads, d, dtype=dtype)
+
+
+def test_forward_launch_packs_offsets_totals_and_the_grid(driver):  # noqa: F811
+    spec = KernelSpec(head_dim=64, block_m=128, causal=True, varlen=True)
+    cu_q, cu_k = torch.tensor([0, 300, 300, 317], dtype=torch.int32), torch.tensor([0, 200, 250, 260], dtype=torch.int32)
+    qkv = torch.zeros(317, 3, 4, 64, dtype=torch.bfloat16)  # a packed qkv projection: strided views
+    q, k, v = qkv[:, 0], qkv[:260, 1, :2], qkv[:260, 2, :2]
+    o, lse = torch.empty(317, 4, 64, dtype=torch.bfloat16), torch.empty(4, 317)
+    Kernel(spec, b"").launch(-1, q=q, k=k, v=v, o=o, lse=lse, scale=0.125, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=300)
+    (launch,) = driver.launches
+    assert launch["grid"] == (3, 4, 3)  # tiles of the longest sequence, heads, sequences
+    values = unpack(spec, launch["params"])
+    assert values == pytest.approx({
+        "q": q.data_ptr(), "q_row": 3 * 4 * 64, "q_head": 64, "k": k.data_ptr(), "k_row": 3 * 4 * 64, "k_head": 64,
+        "v": v.data_ptr(), "v_row": 3 * 4 * 64, "v_head": 64, "o": o.data_ptr(), "o_row": 4 * 64, "o_head": 64,
+        "lse": lse.data_ptr(), "cu_seqlens_q": cu_q.data_ptr(), "cu_seqlens_k": cu_k.data_ptr(),
+        "total_q": 317, "total_k": 260, "kv_group": 2, "scale_log2": 0.125 * LOG2E,
+    })
+
+
+LOG2E = 1.4426950408889634
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_plan_scratch_is_laid_out_by_sequence(driver, stub_kernels, deterministic):  # noqa: F811
+    heads, d = 3, 64
+    cu = torch.tensor([0, 70_000, 70_001, 70_100], dtype=torch.int32)  # more rows than a grid's y or z
+    q = packed(cu, heads, d)
+    dq, dk, dv = (torch.empty_like(q) for _ in range(3))
+    plan = plans.backward_varlen(-1, d, torch.bfloat16, True, deterministic, KernelSpec(head_dim=d, causal=True, varlen=True).canonical())
+    values = dict(q=q, k=q, v=q, o=q, d_o=q, lse=torch.zeros(heads, len(q)), d_lse=None, dq=dq, dk=dk, dv=dv,
+                  scale=0.125, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=70_000, max_seqlen_k=70_000)
+    plan.run(-1, values)
+    assert plan.varlen and len(driver.launches) == len(plan.kernels)  # one launch each: no slices
+    assert values["delta"].shape == values["lse_log2"].shape == (heads, padded_varlen(len(q), 3))
+    prep = driver.launches[0]
+    rows_per_block = 128 // 8
+    assert prep["grid"] == (-(-70_000 // STATS_PAD) * STATS_PAD // rows_per_block, heads, 3)
+    main = unpack(plan.kernels[1].spec, driver.launches[1]["params"])
+    assert main["padded_q"] == values["delta"].shape[1] and main["total_q"] == len(q)
+    kinds = [spec.kind for spec in (k.spec for k in plan.kernels)]
+    assert kinds == (["bwd_prep", "bwd_kv", "bwd_q"] if deterministic else ["bwd_prep", "bwd_kvq"])
+    assert all(spec.varlen for spec in (k.spec for k in plan.kernels))
+    if not deterministic:
+        assert values["dq_accum"].shape == q.shape and isinstance(plan.steps[-1], plans.Convert)
+
+
+def stats_rows(cu: list[int], pad: int = STATS_PAD) -> list[range]:
+    """block_info's stats_rows in Python: sequence b's padded statistics rows."""
+    return [range((a + b * pad) // pad * pad, (a + b * pad) // pad * pad + -(-(c - a) // pad) * pad)
+            for b, (a, c) in enumerate(zip(cu, cu[1:]))]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_statistics_rows_of_sequences_are_disjoint_and_inside_the_buffer(seed):
+    rng = random.Random(seed)
+    lengths = [rng.choice([0, 1, 17, 127, 128, 129, 1000, rng.randrange(300)]) for _ in range(rng.randrange(1, 12))]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    rows = stats_rows(cu)
+    size = padded_varlen(cu[-1], len(lengths))
+    assert size % STATS_PAD == 0
+    for a, b in zip(rows, rows[1:]):
+        assert a.stop <= b.start
+    assert all(r.start % STATS_PAD == 0 and r.stop <= size for r in rows)
+    # Offsets the kernel clamped out of any order still land inside the buffer.
+    wild = sorted(min(max(rng.randrange(-5, cu[-1] + 5), 0), cu[-1]) for _ in cu)
+    assert all(r.stop <= size for r in stats_rows(wild))
+
+
+# ---- the reference -------------------------------------------------------------------------------------
+
+
+def varlen_inputs(lengths_q, lengths_k, heads=4, kv_heads=2, d=16, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(cu_q[-1]), heads, d, generator=gen, dtype=dtype)
+    k = torch.randn(int(cu_k[-1]), kv_heads, d, generator=gen, dtype=dtype)
+    v = torch.randn(int(cu_k[-1]), kv_heads, d, generator=gen, dtype=dtype)
+    return q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_reference_is_naive_attention_of_each_sequence(causal):
+    lengths_q, lengths_k = [1, 17, 13, 0, 40, 5], [3, 9, 13, 7, 0, 30]
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_inputs(lengths_q, lengths_k)
+    out, lse = reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, softmax_scale=0.3, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
+    for b in range(len(lengths_q)):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        one = [t[s].transpose(0, 1)[None] for t, s in ((q, rows), (k, keys), (v, keys))]
+        ref, ref_lse = naive_attention(*one, causal=causal, scale=0.3)
+        torch.testing.assert_close(out[rows], ref[0].transpose(0, 1), atol=1e-6, rtol=0)
+        torch.testing.assert_close(lse[:, rows], ref_lse[0], atol=1e-6, rtol=0)
+    # A sequence with no keys (and, causal, a query before its sequence's first key) sees nothing.
+    assert torch.equal(out[cu_q[4]:cu_q[5]], torch.zeros_like(out[cu_q[4]:cu_q[5]]))
+    assert torch.isneginf(lse[:, cu_q[4]:cu_q[5]]).all()
+
+
+def test_reference_causal_is_bottom_right_in_each_sequence():
+    """Query i of a sequence sees key j iff j <= i + len_k - len_q. With equal scores each output
+    is the mean of the values a row sees; value j is the key's packed index."""
+    q, k, v, cu_q, cu_k, _, _ = varlen_inputs([3, 2], [4, 5], heads=1, kv_heads=1, d=8)
+    q = torch.zeros_like(q)
+    v = torch.arange(len(k), dtype=torch.float32)[:, None, None].expand(v.shape).contiguous()
+    out = reference_varlen(q, k, v, cu_q, cu_k, 3, 5, causal=True)
+    # sequence 0: 3 queries on keys 0..3 see 0..1, 0..2, 0..3; sequence 1: 2 queries on keys 4..8 see 4..7, 4..8
+    torch.testing.assert_close(out[:, 0, 0], torch.tensor([0.5, 1.0, 1.5, 5.5, 6.0]))
+
+
+def test_reference_is_differentiable_and_reads_gqa_heads():
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_inputs([5, 7], [6, 2], heads=4, kv_heads=2)
+    q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+    reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True).square().sum().backward()
+    assert q.grad.abs().sum() > 0 and k.grad.abs().sum() > 0 and v.grad.abs().sum() > 0
+    out = reference_varlen(q.detach(), k.detach(), v.detach(), cu_q, cu_k, max_q, max_k)
+    alone = reference_varlen(q.detach()[:, 2:3], k.detach()[:, 1:2], v.detach()[:, 1:2], cu_q, cu_k, max_q, max_k)
+    torch.testing.assert_close(out[:, 2:3], alone)  # query heads 2, 3 read key/value head 1
+
+
+@pytest.mark.parametrize("cu, message", [
+    ([1, 3, 7], r"cu_seqlens_q\[0\] = 1: the offsets must start at 0"),
+    ([0, 5, 3, 7], r"cu_seqlens_q must be non-decreasing; cu_seqlens_q\[2\] = 3 < cu_seqlens_q\[1\] = 5"),
+    ([0, 3, 6], r"cu_seqlens_q\[-1\] = 6, but q has 7 rows"),
+    ([0, 1, 7], r"max_seqlen_q=5, but a sequence has 6 rows"),
+])
+def test_reference_checks_the_values_attention_varlen_cannot_read(cu, message):
+    q, k, v, _, cu_k, _, _ = varlen_inputs([3, 4], [3, 4])
+    cu_q = torch.tensor(cu, dtype=torch.int32)
+    cu_k = cu_k if len(cu) == 3 else torch.tensor([0, 2, 4, 7], dtype=torch.int32)
+    with pytest.raises(ValueError, match=message):
+        reference_varlen(q, k, v, cu_q, cu_k, 5, 7)
+
+
+# ---- input errors (CPU tensors: every check before the device check) ----------------------------------
+
+
+def inputs(**changes):
+    base = dict(q=torch.zeros(30, 4, 64, dtype=torch.bfloat16), k=torch.zeros(20, 2, 64, dtype=torch.bfloat16),
+                v=torch.zeros(20, 2, 64, dtype=torch.bfloat16), cu_seqlens_q=torch.tensor([0, 10, 30], dtype=torch.int32),
+                cu_seqlens_k=torch.tensor([0, 5, 20], dtype=torch.int32), max_seqlen_q=20, max_seqlen_k=15)
+    return {**base, **changes}
+
+
+BAD = [
+    (dict(q=[[1.0]]), TypeError, "q must be a torch.Tensor, got list"),
+    (dict(cu_seqlens_k=[0, 5, 20]), TypeError, "cu_seqlens_k must be a torch.Tensor, got list"),
+    (dict(q=torch.zeros(1, 30, 4, 64, dtype=torch.bfloat16)), ValueError, r"q must have 3 dimensions \(total_q, heads, head_dim\): packed .* got shape \(1, 30, 4, 64\)"),
+    (dict(k=torch.zeros(20, 128, dtype=torch.bfloat16)), ValueError, r"k must have 3 dimensions \(total_k, heads_kv, head_dim\)"),
+    (dict(q=torch.zeros(30, 4, 64)), TypeError, "q has dtype torch.float32; flashgen supports torch.float16 and torch.bfloat16"),
+    (dict(v=torch.zeros(20, 2, 64, dtype=torch.float16)), TypeError, "share one dtype; got q torch.bfloat16, k torch.bfloat16, v torch.float16"),
+    (dict(v=torch.zeros(19, 2, 64, dtype=torch.bfloat16)), ValueError, r"k and v must have the same shape .* got k \(20, 2, 64\), v \(19, 2, 64\)"),
+    (dict(k=torch.zeros(20, 3, 64, dtype=torch.bfloat16), v=torch.zeros(20, 3, 64, dtype=torch.bfloat16)), ValueError, "q has 4 heads and k, v have 3: .* multiple"),
+    (dict(k=torch.zeros(20, 2, 32, dtype=torch.bfloat16), v=torch.zeros(20, 2, 32, dtype=torch.bfloat16)), ValueError, "same head_dim; got q 64, k 32"),
+    (dict(q=torch.zeros(30, 4, 100, dtype=torch.bfloat16), k=torch.zeros(20, 2, 100, dtype=torch.bfloat16), v=torch.zeros(20, 2, 100, dtype=torch.bfloat16)),
+     ValueError, r"head_dim=100 is not supported: it must be a multiple of 8 in \[8, 256\]"),
+    (dict(q=torch.zeros(30, 64, 4, dtype=torch.bfloat16).transpose(1, 2)), ValueError, "q's last dimension must be contiguous"),
+    (dict(cu_seqlens_q=torch.tensor([0, 10, 30])), TypeError, r"cu_seqlens_q must be int32 .* got torch.int64; cast with .to\(torch.int32\)"),
+    (dict(cu_seqlens_k=torch.tensor([[0, 5, 20]], dtype=torch.int32)), ValueError, r"cu_seqlens_k must have shape \(batch \+ 1,\).* got shape \(1, 3\)"),
+    (dict(cu_seqlens_q=torch.tensor([], dtype=torch.int32)), ValueError, r"cu_seqlens_q must have shape \(batch \+ 1,\)"),
+    (dict(cu_seqlens_k=torch.tensor([0, 20], dtype=torch.int32)), ValueError, r"cu_seqlens_q and cu_seqlens_k must both have shape \(batch \+ 1,\); got \(3,\) and \(2,\)"),
+    (dict(max_seqlen_q=-1), ValueError, "max_seqlen_q=-1: must be a non-negative int"),
+    (dict(max_seqlen_k=15.0), ValueError, "max_seqlen_k=15.0: must be a non-negative int"),
+    (dict(max_seqlen_k=True), ValueError, "max_seqlen_k=True: must be a non-negative int"),
+    (dict(max_seqlen_q=0), ValueError, "max_seqlen_q=0 but q has 30 rows"),
+    (dict(cu_seqlens_q=torch.tensor([0], dtype=torch.int32), cu_seqlens_k=torch.tensor([0], dtype=torch.int32)), ValueError,
+     r"cu_seqlens_q holds no sequence \(shape \(1,\)\) but q has 30 rows"),
+    (dict(cu_seqlens_q=torch.zeros(70_002, dtype=torch.int32), cu_seqlens_k=torch.zeros(70_002, dtype=torch.int32)), ValueError,
+     "at most 65,535 sequences and 65,535 query heads a call"),
+    (dict(k=torch.zeros(20, 2, 64, dtype=torch.bfloat16, device="meta")), ValueError, "must be on one device; got q cpu, k meta"),
+    (dict(cu_seqlens_q=torch.tensor([0, 10, 30], dtype=torch.int32, device="meta")), ValueError, "must be on one device; .* cu_seqlens_q meta"),
+    ({}, ValueError, "flashgen.attention_varlen runs on NVIDIA GPUs: its inputs are on cpu"),
+]
+
+
+@pytest.mark.parametrize("changes, error, message", BAD, ids=[m[:40] for _, _, m in BAD])
+def test_bad_input_raises_a_named_error(changes, error, message):
+    with pytest.raises(error, match=message):
+        flashgen.attention_varlen(**inputs(**changes))
+
+
+def test_bad_softmax_scale_is_named():
+    from flashgen.varlen import _scale
+
+    with pytest.raises(ValueError, match="softmax_scale=-1.0: must be a positive finite number"):
+        _scale(-1, 64)
+    assert _scale(None, 64) == 0.125 and math.isclose(_scale(0.5, 64), 0.5)
+
+
+def test_alignment_keeps_usable_packed_views_and_copies_the_rest():
+    from flashgen.varlen import _aligned
+
+    qkv = torch.zeros(10, 3, 4, 64)
+    view = qkv[:, 1]  # row stride 3 * 4 * 64: usable as is
+    assert _aligned(view) is view
+    odd = torch.zeros(10, 4, 68)[..., :64]
+    assert _aligned(odd) is not odd and _aligned(odd).is_contiguous()
+    broadcast = torch.ones(10, 1, 1).expand(10, 4, 64)
+    assert _aligned(broadcast).stride(-1) == 1
