@@ -17,6 +17,8 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "attention": "api",
+    "attention_with_kvcache": "serving",
+    "merge_attention_states": "serving",
     "CacheError": "cache",
     "KernelCache": "cache",
     "CompileError": "compile",
@@ -31,7 +33,7 @@ _EXPORTS = {
 }
 _SUBMODULES = (
     "aot", "api", "bench", "cache", "check", "cli", "compile", "families", "kernels", "params", "plans",
-    "reference", "render", "runtime", "smem", "spec", "tuning",
+    "reference", "render", "runtime", "serving", "smem", "spec", "tuning",
 )
 
 __all__ = sorted(_EXPORTS) + ["reference"]

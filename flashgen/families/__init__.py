@@ -6,10 +6,14 @@ from __future__ import annotations
 
 from .backward import STATS_PAD, BackwardPrep, KeyMajorBackward, QueryMajorBackward, padded
 from .base import Family
+from .decode import DecodeAttention, MergeStates, MergeStatesFp32
 from .forward import MmaForward
 from .hopper import HopperForward
 
-FAMILIES: tuple[Family, ...] = (MmaForward(), HopperForward(), KeyMajorBackward(), QueryMajorBackward(), BackwardPrep())
+FAMILIES: tuple[Family, ...] = (
+    MmaForward(), HopperForward(), KeyMajorBackward(), QueryMajorBackward(), BackwardPrep(),
+    DecodeAttention(), MergeStates(), MergeStatesFp32(),
+)
 BY_KIND: dict[str, Family] = {kind: family for family in FAMILIES for kind in family.kinds}
 KINDS = tuple(BY_KIND)
 
