@@ -212,10 +212,22 @@ def show(resources, **options):
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="also write the numbers here")
 @click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False), help="also write the tables here, as Markdown")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="also draw the tables here (.png, .svg, .pdf)")
-def bench(head_dims, seqlens, modes, json_path, markdown_path, plot_path):
+@click.option("--decode", is_flag=True, help="instead: decode steps over a KV cache (attention_with_kvcache), GPU time "
+                                             "through CUDA-graph replay next to SDPA and the memory floor, and the host cost")
+def bench(head_dims, seqlens, modes, json_path, markdown_path, plot_path, decode):
     """flashgen next to SDPA's FLASH, CUDNN and EFFICIENT backends, in TFLOPS."""
     from . import bench as benchmark
 
+    if decode:
+        if plot_path:
+            _fail(click.UsageError("--plot draws the TFLOPS tables; --decode has none"))
+        try:
+            report = benchmark.run_decode(json_path=json_path, console=console)
+        except RuntimeError as error:
+            _fail(error)
+        if markdown_path:
+            Path(markdown_path).write_text(benchmark.decode_markdown(report))
+        return
     if plot_path:
         _need_matplotlib()  # before minutes of timing, not after
     try:

@@ -195,14 +195,11 @@ def num_splits(blocks: int, key_tiles: int, slots: int, max_splits: int = MAX_SP
     return next(s for s in range(1, limit + 1) if fill(s) >= GOOD_ENOUGH * best)
 
 
-def _o_parts(values: dict) -> tuple:
-    batch, seqlen_q, heads, head_dim = values["q"].shape
-    return values["splits"], batch, heads, seqlen_q, head_dim
-
-
-def _lse_parts(values: dict) -> tuple:
-    batch, seqlen_q, heads, _ = values["q"].shape
-    return values["splits"], batch, heads, seqlen_q
+def _partials(values: dict) -> tuple:
+    """The split-KV scratch, flat fp32: [splits, batch, heads, seqlen_q, head_dim] partial outputs,
+    then [splits, batch, heads, seqlen_q] their log-sum-exps."""
+    rows = values["splits"] * values["batch"] * values["heads"] * values["seqlen_q"]
+    return (rows * (values["q"].shape[3] + 1),)
 
 
 def decode(device: int, head_dim: int, dtype: torch.dtype, paged: bool, rows: int, batch: int, kv_heads: int,
@@ -223,7 +220,7 @@ def decode(device: int, head_dim: int, dtype: torch.dtype, paged: bool, rows: in
         steps, scratch = [Launch(kernels.get(spec))], []
         if chosen > 1:
             steps.append(Launch(kernels.get(tuning.merge_spec("combine", head_dim, DTYPES[dtype], arch))))
-            scratch = [Scratch("o_parts", _o_parts), Scratch("lse_parts", _lse_parts)]
+            scratch = [Scratch("partials", _partials)]
         found = _plans[key] = (Plan(tuple(steps), tuple(scratch), whole=True), chosen)
     return found
 

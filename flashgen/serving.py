@@ -14,19 +14,24 @@ import torch
 
 from . import plans
 from .api import softmax_scale as _scale
-from .families.decode import MAX_SPLITS, PAGE_SIZES
+from .families.decode import MAX_SPLITS, PAGE_SIZES, fast_divisor
 from .plans import DTYPES, MAX_GRID_YZ
 from .spec import HEAD_DIM_RULE
 
 MAX_KEYS = 2**31 - 1  # positions are int32 in the kernels
+NO_STRIDES = (0, 0, 0, 0)  # of the new keys and values when there are none
 
 
 def _is_aligned(t: torch.Tensor) -> bool:
     """16-byte rows for cp.async: the base and every leading stride that is stepped over are
-    multiples of 16 bytes (8 elements), the last dimension contiguous."""
-    if t.data_ptr() % 16 or t.stride(-1) != 1:
+    multiples of 16 bytes (8 elements), the last dimension contiguous (t is 4-D)."""
+    if t.data_ptr() % 16:
         return False
-    return all(n == 1 or not s % 8 for n, s in zip(t.shape[:-1], t.stride()[:-1]))
+    if t.is_contiguous():  # the common case, one cheap test (head_dim % 8 == 0)
+        return True
+    s0, s1, s2, s3 = t.stride()
+    n0, n1, n2, _ = t.shape  # the stride of a dimension of size 1 is never used
+    return s3 == 1 and (n0 == 1 or not s0 % 8) and (n1 == 1 or not s1 % 8) and (n2 == 1 or not s2 % 8)
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -40,9 +45,63 @@ def _tensor(name: str, t, dims: int, layout: str) -> None:
         raise ValueError(f"{name} must have {dims} dimensions {layout}; got shape {tuple(t.shape)}")
 
 
-def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits) -> tuple[bool, int]:
-    """Raise a clear error for anything the decode kernels cannot take; returns (paged, capacity):
-    whether the cache is paged, and the keys one sequence's cache holds at most."""
+def _well_formed(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits):
+    """check_kvcache_inputs' answer for a call made the common way (tensors of the right types,
+    shapes and device; lengths as a tensor or None), else None: each attribute read once, since
+    they cost. Anything this accepts, the full check accepts too."""
+    tensor = torch.Tensor
+    if not type(q) is type(k_cache) is type(v_cache) is tensor:
+        return None
+    q_shape, cache_shape, dtype = q.shape, k_cache.shape, q.dtype
+    if len(q_shape) != 4 or len(cache_shape) != 4 or v_cache.shape != cache_shape:
+        return None
+    batch, _, heads, head_dim = q_shape
+    pages, rows, kv_heads, cache_dim = cache_shape
+    device = q.get_device()
+    if (dtype not in DTYPES or k_cache.dtype != dtype or v_cache.dtype != dtype or cache_dim != head_dim or not head_dim
+            or head_dim % 8 or head_dim > 256 or not kv_heads or heads % kv_heads or batch > MAX_GRID_YZ or kv_heads > MAX_GRID_YZ
+            or not q.is_cuda or k_cache.get_device() != device or v_cache.get_device() != device or q.stride()[3] != 1
+            or not (_is_aligned(k_cache) and _is_aligned(v_cache))):
+        return None
+    seqlen_new = 0
+    if k is not None or v is not None:
+        if type(k) is not tensor or type(v) is not tensor or cache_seqlens is None:
+            return None
+        new_shape = k.shape
+        if (v.shape != new_shape or len(new_shape) != 4 or new_shape[0] != batch or new_shape[2] != kv_heads
+                or new_shape[3] != head_dim or k.dtype != dtype or v.dtype != dtype or k.stride()[3] != 1
+                or v.stride()[3] != 1 or k.get_device() != device or v.get_device() != device):
+            return None
+        seqlen_new = new_shape[1]
+    if block_table is None:
+        if pages != batch:
+            return None
+        capacity = rows
+    else:
+        if (type(block_table) is not tensor or block_table.dtype != torch.int32 or rows % 16 or not 16 <= rows <= 256
+                or block_table.get_device() != device):
+            return None
+        table_shape = block_table.shape
+        if len(table_shape) != 2 or table_shape[0] != batch:
+            return None
+        capacity = table_shape[1] * rows
+    if cache_seqlens is not None and (
+        type(cache_seqlens) is not tensor or cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (batch,)
+        or cache_seqlens.get_device() != device
+    ):
+        return None
+    if capacity + seqlen_new > MAX_KEYS or type(num_splits) is not int or not 0 <= num_splits <= MAX_SPLITS:
+        return None
+    return block_table is not None, capacity, seqlen_new
+
+
+def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits) -> tuple[bool, int, int]:
+    """Raise a clear error for anything the decode kernels cannot take; returns (paged, capacity,
+    seqlen_new): whether the cache is paged, the keys one sequence's cache holds at most, and the
+    number of tokens appended."""
+    found = _well_formed(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits)
+    if found is not None:
+        return found
     _tensor("q", q, 4, "(batch, seqlen_q, heads, head_dim), like flash_attn_with_kvcache")
     paged = block_table is not None
     cache_layout = "(num_blocks, page_size, heads_kv, head_dim) with a block_table" if paged else "(batch, seqlen_cache, heads_kv, head_dim)"
@@ -138,7 +197,7 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
     if q.device.type != "cuda":
         why = "" if torch.cuda.is_available() else " (and PyTorch sees no CUDA GPU on this machine)"
         raise ValueError(f"flashgen.attention_with_kvcache runs on NVIDIA GPUs: the tensors are on {q.device}{why}")
-    return paged, capacity
+    return paged, capacity, seqlen_new
 
 
 def attention_with_kvcache(
@@ -174,29 +233,45 @@ def attention_with_kvcache(
 
     Returns out (batch, seqlen_q, heads, head_dim), and lse with return_softmax_lse.
     """
-    paged, capacity = check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits)
+    paged, capacity, seqlen_new = check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits)
     batch, seqlen_q, heads, head_dim = q.shape
     scale = _scale(softmax_scale, head_dim)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device) if return_softmax_lse else None
     if o.numel() == 0:
         return (o, lse) if return_softmax_lse else o
-    kv_heads, seqlen_new = k_cache.shape[2], 0 if k is None else k.shape[1]
     device = q.get_device()
-    plan, splits = plans.decode(device, head_dim, q.dtype, paged, seqlen_q * (heads // kv_heads), batch, kv_heads,
-                                capacity + seqlen_new, num_splits)
+    plan, splits = plans.decode(device, head_dim, q.dtype, paged, seqlen_q * (heads // k_cache.shape[2]), batch,
+                                k_cache.shape[2], capacity + seqlen_new, num_splits)
+    plan.run(device, launch_values(q, k_cache, v_cache, k, v, cache_seqlens, block_table, capacity, seqlen_new, o, lse,
+                                   splits, causal, scale))
+    return (o, lse) if return_softmax_lse else o
+
+
+def launch_values(q, k_cache, v_cache, k, v, cache_seqlens, block_table, capacity, seqlen_new, o, lse, splits, causal,
+                  scale) -> dict:
+    """What the decode plan's kernels take (families.decode.DecodeAttention.arguments): the
+    tensors (copied where their rows are not 16-byte aligned; never the caches), and the sizes read
+    once here."""
+    batch, seqlen_q, heads, _ = q.shape
     if k is not None:
         k, v = _aligned(k), _aligned(v)
+    lengths = isinstance(cache_seqlens, torch.Tensor)
     values = {
         "q": _aligned(q), "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v,
-        "cache_seqlens": cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None,
-        "cache_len": capacity if cache_seqlens is None or isinstance(cache_seqlens, torch.Tensor) else cache_seqlens,
-        "block_table": block_table if block_table is None or block_table.stride(-1) == 1 else block_table.contiguous(),
-        "o": o, "lse": lse, "o_parts": None, "lse_parts": None,  # the scratch of a split plan, or none
+        "k_strides": NO_STRIDES if k is None else k.stride(), "v_strides": NO_STRIDES if v is None else v.stride(),
+        "cache_seqlens": cache_seqlens if lengths else None, "cache_seqlens_stride": cache_seqlens.stride(0) if lengths else 0,
+        "cache_len": capacity if cache_seqlens is None or lengths else cache_seqlens, "capacity": capacity,
+        "block_table": block_table, "o": o, "lse": lse, "partials": None,  # the scratch of a split plan replaces None
+        "batch": batch, "seqlen_q": seqlen_q, "heads": heads, "kv_heads": k_cache.shape[2], "seqlen_new": seqlen_new,
         "splits": splits, "causal": bool(causal), "scale": scale,
     }
-    plan.run(device, values)
-    return (o, lse) if return_softmax_lse else o
+    if block_table is not None:
+        page_size = k_cache.shape[1]
+        if block_table.stride(-1) != 1:
+            values["block_table"] = block_table.contiguous()
+        values.update(num_pages=k_cache.shape[0], page_size=page_size, page_divisor=fast_divisor(page_size))
+    return values
 
 
 def _states(o_a, lse_a, o_b, lse_b):

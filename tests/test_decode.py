@@ -11,7 +11,7 @@ import torch
 from test_launch import StubDriver, driver, stub_kernels, unpack  # noqa: F401  (fixtures)
 
 import flashgen
-from flashgen import plans, reference, tuning
+from flashgen import plans, reference, serving, tuning
 from flashgen.families.decode import MAX_SPLITS, PAGE_SIZES, fast_divisor
 from flashgen.spec import KernelSpec, SpecError
 
@@ -67,6 +67,25 @@ def test_every_serving_kind_has_a_spec_for_every_head_dim(arch):
     for rows, block_m in [(1, 16), (16, 16), (17, 64), (4 * 5, 64), (128, 64)]:
         assert tuning.decode_spec(128, "bf16", arch, True, rows).block_m == block_m
     assert tuning.tuned_spec("decode_paged", 96, "fp16", True, arch).kind == "decode_paged"  # causal is not a field
+
+
+@pytest.mark.parametrize("spec", [tuning.decode_spec(128, "bf16", "sm_90a", True, 1), tuning.decode_spec(80, "fp16", "sm_80", False, 40),
+                                  tuning.merge_spec("combine", 256, "bf16", "sm_90a"), tuning.merge_spec("merge_fp32", 64, "bf16", "sm_80")],
+                         ids=lambda spec: spec.name)
+def test_serving_kernels_hold_their_instructions(spec):
+    """What NVRTC emits (PTX): the decode streams K and V with 16-byte cp.async and multiplies with
+    mma.sync; nothing goes through local memory."""
+    from flashgen.compile import compile_ptx
+    from flashgen.render import render
+
+    ptx = compile_ptx(spec, render(spec)).decode()
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    if spec.kind.startswith("decode"):
+        for instruction in ("cp.async.cg.shared.global.L2::128B", "cp.async.wait_group", "mma.sync.aligned.m16n8k16.row.col.f32",
+                            "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "mul.hi.u32" if "paged" in spec.kind else "ld.global"):
+            assert instruction in ptx, instruction
+    else:
+        assert "shfl.sync.bfly" in ptx and "ex2.approx" in ptx
 
 
 def test_occupancy_counts_shared_memory_and_threads():
@@ -288,50 +307,51 @@ def cpu_device(monkeypatch):
 
 
 def decode_values(batch=2, seqlen_q=1, heads=8, kv_heads=2, d=128, pages=100, page_size=16, new=1, splits=1, lse=True):
+    """attention_with_kvcache's launch values for CPU tensors (paged, a 40-page table)."""
     q = torch.zeros(batch, seqlen_q, heads, d, dtype=BF16)
     k_cache = torch.zeros(pages, page_size, kv_heads, d, dtype=BF16)
     k = torch.zeros(batch, new, kv_heads, d, dtype=BF16)
-    return {
-        "q": q, "k_cache": k_cache, "v_cache": torch.zeros_like(k_cache), "k": k, "v": torch.zeros_like(k),
-        "cache_seqlens": torch.zeros(batch, dtype=torch.int32), "cache_len": 0,
-        "block_table": torch.zeros(batch, 40, dtype=torch.int32), "o": torch.empty_like(q),
-        "lse": torch.empty(batch, heads, seqlen_q) if lse else None, "o_parts": None, "lse_parts": None, "splits": splits, "causal": True, "scale": 0.125,
-    }
+    lse = torch.empty(batch, heads, seqlen_q) if lse else None
+    return serving.launch_values(q, k_cache, torch.zeros_like(k_cache), k, torch.zeros_like(k), torch.zeros(batch, dtype=torch.int32),
+                                 torch.zeros(batch, 40, dtype=torch.int32), 40 * page_size, new, torch.empty_like(q), lse, splits,
+                                 True, 0.125)
 
 
 def test_split_decode_plan_wires_the_combine_through_scratch(driver, stub_kernels, cpu_device):
-    values = decode_values()
     plan, splits = plans.decode(-1, 128, BF16, True, 4, 2, 2, 640 + 1)
     assert splits > 1 and [k.spec.kind for k in plan.kernels] == ["decode_paged", "combine"]
-    values["splits"] = splits
+    values = decode_values(splits=splits)
     plan.run(-1, values)
     decode, combine = driver.launches
-    o_parts, lse_parts = values["o_parts"], values["lse_parts"]
-    assert o_parts.shape == (splits, 2, 8, 1, 128) and lse_parts.shape == (splits, 2, 8, 1) and o_parts.dtype == torch.float32
+    partials = values["partials"]
+    assert partials.shape == (splits * 2 * 8 * 1 * (128 + 1),) and partials.dtype == torch.float32
     assert decode["grid"] == (splits, 2, 2) and decode["block"] == (128, 1, 1)
     got = unpack(plan.kernels[0].spec, decode["params"])
-    assert got["o_parts"] == o_parts.data_ptr() and got["lse_parts"] == lse_parts.data_ptr() and got["splits"] == splits
+    assert got["partials"] == partials.data_ptr() and got["splits"] == splits and got["lse"] == values["lse"].data_ptr()
     assert got["k_new"] == values["k"].data_ptr() and got["seqlen_new"] == 1 and got["kv_group"] == 4
+    assert (got["k_new_batch"], got["k_new_row"], got["k_new_head"]) == values["k"].stride()[:3]
     assert got["capacity"] == 40 * 16 and got["page_size"] == 16 and got["num_pages"] == 100
     assert (got["page_magic"], got["page_shift"]) == fast_divisor(16) and got["causal"] == 1
     assert got["cache_seqlens"] == values["cache_seqlens"].data_ptr() and got["block_table_batch"] == 40
     assert got["k_cache_page"] == 16 * 2 * 128 and got["k_cache_row"] == 2 * 128 and got["k_cache_head"] == 128
     rows = unpack(plan.kernels[1].spec, combine["params"])
-    assert combine["grid"] == (-(-2 * 8 // 4), 1, 1)  # a warp per (batch, head, query) row
-    assert rows["parts"] == o_parts.data_ptr() and rows["parts_split"] == 2 * 8 * 128 and rows["splits"] == splits
+    assert combine["grid"] == (2 * 8, 1, 1) and combine["block"] == (256, 1, 1)  # 8 warps per (batch, head, query) row
+    assert rows["parts"] == partials.data_ptr() and rows["parts_split"] == 2 * 8 * 128 and rows["splits"] == splits
+    assert rows["parts_lse"] == partials.data_ptr() + 4 * splits * 2 * 8 * 128  # the log-sum-exps follow the outputs
+    assert (rows["parts_lse_split"], rows["parts_lse_x"], rows["parts_lse_y"], rows["parts_lse_z"]) == (16, 8, 1, 1)
     o = values["o"]  # (batch, seqlen_q, heads, d) read as rows (batch, heads, seqlen_q)
     assert (rows["out_x"], rows["out_y"], rows["out_z"]) == (o.stride(0), o.stride(2), o.stride(1))
     assert rows["out_lse"] == values["lse"].data_ptr() and (rows["size_y"], rows["size_z"], rows["rows"]) == (8, 1, 16)
 
 
 def test_unsplit_decode_writes_o_directly(driver, stub_kernels, cpu_device):
-    values = decode_values(batch=64, kv_heads=8, heads=32, lse=False)
     plan, splits = plans.decode(-1, 128, BF16, True, 4, 64, 8, 641)
     assert splits == 1 and len(plan.kernels) == 1 and not plan.scratch  # 512 blocks fill the GPU
+    values = decode_values(batch=64, kv_heads=8, heads=32, lse=False)
     plan.run(-1, values)
     (launch,) = driver.launches
     got = unpack(plan.kernels[0].spec, launch["params"])
-    assert got["o"] == values["o"].data_ptr() and got["lse"] == 0 and got["o_parts"] == 0 and got["lse_parts"] == 0
+    assert got["o"] == values["o"].data_ptr() and got["lse"] == 0 and got["partials"] == 0
     assert launch["grid"] == (1, 8, 64)
 
 
@@ -340,11 +360,10 @@ def test_forced_splits_and_contiguous_cache_without_append(driver, stub_kernels,
     cache = torch.zeros(3, 1000, 1, 64, dtype=FP16)
     plan, splits = plans.decode(-1, 64, FP16, False, 20, 3, 1, 1000, splits=7)
     assert splits == 7 and plan.kernels[0].spec.block_m == 64  # 20 packed rows: one 64-row block
-    values = {"q": q, "k_cache": cache, "v_cache": cache, "k": None, "v": None, "cache_seqlens": None, "cache_len": 1000,
-              "block_table": None, "o": torch.empty_like(q), "lse": None, "o_parts": None, "lse_parts": None, "splits": 7, "causal": False, "scale": 1.0}
+    values = serving.launch_values(q, cache, cache, None, None, 700, None, 1000, 0, torch.empty_like(q), None, 7, False, 1.0)
     plan.run(-1, values)
     got = unpack(plan.kernels[0].spec, driver.launches[0]["params"])
-    assert got["k_new"] == 0 and got["seqlen_new"] == 0 and got["cache_seqlens"] == 0 and got["cache_len"] == 1000
+    assert got["k_new"] == 0 and got["seqlen_new"] == 0 and got["cache_seqlens"] == 0 and got["cache_len"] == 700
     assert got["capacity"] == 1000 and got["k_cache_batch"] == 1000 * 64 and driver.launches[0]["grid"] == (7, 1, 3)
 
 
@@ -470,3 +489,26 @@ def test_merge_errors(error, match, changes):
     args = {"o_a": t(2, 3, 64), "lse_a": t(2, 3, dtype=torch.float32), "o_b": t(2, 3, 64), "lse_b": t(2, 3, dtype=torch.float32), **changes}
     with pytest.raises(error, match=match):
         flashgen.merge_attention_states(**args)
+
+
+# ---- flashgen bench --decode's report (the numbers need a GPU) ---------------------------------
+
+
+def test_decode_report_renders_as_markdown():
+    from flashgen import bench
+
+    row = {"B": 1, "T": 65536, "layout": "paged 16", "flashgen_us": 70.0, "flash_us": 80.2, "cudnn_us": None,
+           "floor_us": 62.4, "vs_floor": 70 / 62.4, "vs_best_sdpa": 70 / 80.2, "tbs": 3.8, "splits": 32,
+           "kernels": "decode_paged_d128_m16_n64_bf16_w4_s3_sm90a + combine_d128_bf16_sm90a"}
+    text = bench.decode_markdown({"copy_rate_tbs": 4.3, "decode": [row], "decode_host_us": {"flashgen": 19.5, "sdpa": 24.0}})
+    assert "| 1 | 64k | paged 16 | 70.0 | 80.2 | - | 62.4 | 1.12 | 0.87 | 3.80 | 32 | decode_paged" in text
+    assert "4.30 TB/s" in text and "flashgen 19.5 us, one SDPA call 24.0 us" in text
+
+
+def test_bench_decode_refuses_a_plot():
+    from click.testing import CliRunner
+
+    from flashgen.cli import main
+
+    result = CliRunner().invoke(main, ["bench", "--decode", "--plot", "x.png"])
+    assert result.exit_code == 1 and "--decode has none" in result.output

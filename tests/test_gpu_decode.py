@@ -288,3 +288,23 @@ def test_merge_takes_other_ranks_and_strides():
     flat = randn(10, 64, dtype=torch.float32, gen=gen)
     o, lse = flashgen.merge_attention_states(flat, torch.zeros(10, device="cuda"), flat, torch.zeros(10, device="cuda"))
     assert (o - flat).abs().max().item() <= 1e-5 and (lse - math.log(2)).abs().max().item() <= 1e-5
+
+
+def test_input_errors_on_the_gpu():
+    """The CPU tier's input errors, with the tensors on the GPU: the fast path of the checks lets
+    none of them through."""
+    from test_decode import ERRORS, PAGED_ERRORS, inputs
+
+    def cuda(value):  # the same shape, strides and dtype on the GPU (a strided view stays one)
+        if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
+            return value
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="cuda").zero_()
+
+    for paged, cases in ((False, ERRORS), (True, PAGED_ERRORS)):
+        for error, match, changes in cases:
+            if "device" in match:
+                continue
+            args = {name: cuda(value) for name, value in inputs(paged, **changes).items()}
+            keywords = {name: args.pop(name) for name in ("cache_seqlens", "block_table", "num_splits") if name in args}
+            with pytest.raises(error, match=match):
+                flashgen.attention_with_kvcache(*args.values(), **keywords)

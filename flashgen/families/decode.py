@@ -51,8 +51,11 @@ class DecodeAttention(Family):
     kinds = ("decode", "decode_paged")
     template = "attention_decode.cu.j2"
     fields = ("head_dim", "block_m", "block_n", "dtype", "num_warps", "num_stages", "arch")
-    arguments = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "cache_len", "block_table", "o", "lse",
-                 "o_parts", "lse_parts", "splits", "causal", "scale")
+    # The tensors, and the sizes attention_with_kvcache has read once already (the packing then
+    # reads no shape twice): a decode step's host cost is mostly Python.
+    arguments = ("q", "k_cache", "v_cache", "k", "v", "k_strides", "v_strides", "cache_seqlens", "cache_seqlens_stride",
+                 "cache_len", "capacity", "block_table", "num_pages", "page_size", "page_divisor", "o", "lse", "partials",
+                 "batch", "seqlen_q", "heads", "kv_heads", "seqlen_new", "splits", "causal", "scale")
 
     @staticmethod
     def paged(spec: KernelSpec) -> bool:
@@ -105,52 +108,46 @@ class DecodeAttention(Family):
 
     def params(self, spec: KernelSpec) -> Params:
         paged = self.paged(spec)
-        cache_dims = ("page" if paged else "batch", "row", "head")
-        capacity = "block_table.shape[1] * k_cache.shape[1]" if paged else "k_cache.shape[1]"
         new = []
-        for name in ("k", "v"):  # the keys and values to append, or none
+        for name in ("k", "v"):  # the keys and values to append, or none (strides 0)
             new.append(Param(f"{name}_new", "const elem_t* __restrict__", "ptr", f"0 if {name} is None else {name}.data_ptr()", name))
-            new += [Param(f"{name}_new_{dim}", "i64", "i64", f"0 if {name} is None else {name}.stride({i})", name)
-                    for i, dim in enumerate(("batch", "row", "head"))]
+            new += [Param(f"{name}_new_{dim}", "i64", "i64", f"{name}_strides[{i}]", name) for i, dim in enumerate(("batch", "row", "head"))]
         pages = []
         if paged:
             pages = [
                 pointer("block_table", "const int*"),  # [batch, max_blocks] int32
                 scalar("block_table_batch", "i64", "block_table.stride(0)"),
-                scalar("num_pages", "int", "k_cache.shape[0]"),
-                scalar("page_size", "int", "k_cache.shape[1]"),
-                scalar("page_shift", "int", "fast_divisor(k_cache.shape[1])[1]"),
-                scalar("page_magic", "i64", "fast_divisor(k_cache.shape[1])[0]"),
+                scalar("num_pages", "int"),
+                scalar("page_size", "int"),
+                scalar("page_shift", "int", "page_divisor[1]"),  # fast_divisor(page_size)
+                scalar("page_magic", "i64", "page_divisor[0]"),
             ]
         return Params(self.arguments, [
             *tensor("q", dims=("batch", "row", "head")),
-            *tensor("k_cache", const=False, dims=cache_dims),
-            *tensor("v_cache", const=False, dims=cache_dims),
+            *tensor("k_cache", const=False, dims=("page" if paged else "batch", "row", "head")),
+            *tensor("v_cache", const=False, dims=("page" if paged else "batch", "row", "head")),
             *new,
             *pages,
             pointer("cache_seqlens", "const int*", optional=True),  # [batch] int32, or null: cache_len
-            scalar("cache_seqlens_stride", "i64", "0 if cache_seqlens is None else cache_seqlens.stride(0)"),
+            scalar("cache_seqlens_stride", "i64"),
             scalar("cache_len", "int"),
-            scalar("capacity", "int", capacity),
-            scalar("seqlen_new", "int", "0 if k is None else k.shape[1]"),
+            scalar("capacity", "int"),  # keys a sequence's cache holds at most
+            scalar("seqlen_new", "int"),
             *tensor("o", const=False, dims=("batch", "row", "head")),
             pointer("lse", "float*", optional=True),  # [batch, heads, seqlen_q], or null
-            pointer("o_parts", "float*", optional=True),  # [splits, batch, heads, seqlen_q, head_dim], or null
-            pointer("lse_parts", "float*", optional=True),  # [splits, batch, heads, seqlen_q], or null
-            scalar("seqlen_q", "int", "q.shape[1]"),
-            scalar("heads", "int", "q.shape[2]"),
-            scalar("kv_group", "int", "q.shape[2] // k_cache.shape[2]"),
+            # With splits > 1: [splits, batch, heads, seqlen_q, head_dim] partial outputs, then
+            # [splits, batch, heads, seqlen_q] their log-sum-exps (fp32); else null.
+            pointer("partials", "float*", optional=True),
+            scalar("seqlen_q", "int"),
+            scalar("heads", "int"),
+            scalar("kv_group", "int", "heads // kv_heads"),
             scalar("splits", "int"),
             scalar("causal", "int"),
             scalar("scale_log2", "float", "scale * LOG2E"),
         ])
 
-    def helpers(self, spec: KernelSpec) -> dict:
-        return {"fast_divisor": fast_divisor}
-
     def grid(self, spec: KernelSpec) -> str:
-        rows = "q.shape[1] * (q.shape[2] // k_cache.shape[2])"
-        return f"(-(-{rows} // {spec.block_m}) * splits, k_cache.shape[2], q.shape[0])"
+        return f"(-(-(seqlen_q * (heads // kv_heads)) // {spec.block_m}) * splits, kv_heads, batch)"
 
     def context(self, spec: KernelSpec) -> dict:
         return {
@@ -169,11 +166,24 @@ class MergeStates(Family):
     kinds = ("combine", "merge")
     template = "attention_combine.cu.j2"
     fields = ("head_dim", "dtype", "arch")
-    arguments = ("o_parts", "lse_parts", "o_a", "lse_a", "o_b", "lse_b", "o", "lse", "splits")
-    num_warps = 4  # one warp per row
+    arguments = ("partials", "o_a", "lse_a", "o_b", "lse_b", "o", "lse", "batch", "seqlen_q", "heads", "splits")
+
+    @staticmethod
+    def warps_per_row(spec: KernelSpec) -> int:
+        """The combine gives a row 8 warps, each a share of the splits, so that a decode's few rows
+        keep many loads in flight; a merge of two states gives each warp a row of its own."""
+        return 8 if spec.kind == "combine" else 1
 
     def threads(self, spec: KernelSpec) -> int:
-        return 32 * self.num_warps
+        return 32 * (self.warps_per_row(spec) if spec.kind == "combine" else 4)
+
+    def rows_per_block(self, spec: KernelSpec) -> int:
+        return self.threads(spec) // 32 // self.warps_per_row(spec)
+
+    def smem(self, spec: KernelSpec) -> SmemLayout:
+        if self.warps_per_row(spec) == 1:
+            return SmemLayout([])
+        return SmemLayout([Region("sums", self.warps_per_row(spec) * spec.head_dim * 4)])
 
     def types(self, spec: KernelSpec) -> tuple[str, str]:
         """C types of the states read and of the output written."""
@@ -183,17 +193,22 @@ class MergeStates(Family):
         in_type, out_type = self.types(spec)
         dims = ("x", "y", "z")
         if spec.kind == "combine":
-            # parts [splits, batch, heads, seqlen_q, d] and lse_parts [splits, batch, heads, seqlen_q],
-            # contiguous; o (batch, seqlen_q, heads, d); lse (batch, heads, seqlen_q) or None.
+            # The decode's partials: [splits, batch, heads, seqlen_q, d] outputs, then [splits, batch,
+            # heads, seqlen_q] log-sum-exps, in one fp32 buffer; o (batch, seqlen_q, heads, d); lse
+            # (batch, heads, seqlen_q) contiguous, or None. Rows (x, y, z) = (batch, head, query).
+            d = spec.head_dim
             sources = [
-                Param("parts", f"const {in_type}* __restrict__", "ptr", "o_parts.data_ptr()", "parts"),
-                *[Param(f"parts_{d}", "i64", "i64", f"o_parts_stride[{i}]", "parts") for i, d in enumerate(("split", *dims))],
-                Param("parts_lse", "const float* __restrict__", "ptr", "lse_parts.data_ptr()", "parts_lse"),
-                *[Param(f"parts_lse_{d}", "i64", "i64", f"lse_parts_stride[{i}]", "parts_lse") for i, d in enumerate(("split", *dims))],
+                Param("parts", f"const {in_type}* __restrict__", "ptr", "partials.data_ptr()", "parts"),
+                *[Param(f"parts_{dim}", "i64", "i64", f"{value} * {d}", "parts")
+                  for dim, value in zip(("split", *dims), ("batch * heads * seqlen_q", "heads * seqlen_q", "seqlen_q", "1"))],
+                Param("parts_lse", "const float* __restrict__", "ptr", f"partials.data_ptr() + 4 * splits * batch * heads * seqlen_q * {d}", "parts_lse"),
+                *[Param(f"parts_lse_{dim}", "i64", "i64", value, "parts_lse")
+                  for dim, value in zip(("split", *dims), ("batch * heads * seqlen_q", "heads * seqlen_q", "seqlen_q", "1"))],
             ]
-            out = [Param(f"out_{d}", "i64", "i64", f"o_stride[{i}]", "out") for d, i in zip(dims, (0, 2, 1))]
-            sizes = [scalar("size_y", "int", "o.shape[2]"), scalar("size_z", "int", "o.shape[1]"),
-                     scalar("rows", "int", "o.shape[0] * o.shape[1] * o.shape[2]"), scalar("splits", "int")]
+            out = [Param(f"out_{dim}", "i64", "i64", f"o_stride[{i}]", "out") for dim, i in zip(dims, (0, 2, 1))]
+            out_lse = ["heads * seqlen_q", "seqlen_q", "1"]
+            sizes = [scalar("size_y", "int", "heads"), scalar("size_z", "int", "seqlen_q"),
+                     scalar("rows", "int", "batch * heads * seqlen_q"), scalar("splits", "int")]
         else:
             # Two states (..., d) with one layout (merge_attention_states makes sure): read as one
             # (2, ...) tensor whose split stride is the distance between them. o, lse: contiguous.
@@ -207,22 +222,28 @@ class MergeStates(Family):
                 *[Param(f"parts_lse_{d}", "i64", "i64", f"lse_a_stride[{i}]", "parts_lse") for i, d in enumerate(dims)],
             ]
             out = [Param(f"out_{d}", "i64", "i64", f"o_stride[{i}]", "out") for i, d in enumerate(dims)]
+            out_lse = [f"lse.stride({i})" for i in range(3)]
             sizes = [scalar("size_y", "int", "o.shape[1]"), scalar("size_z", "int", "o.shape[2]"),
                      scalar("rows", "int", "o.shape[0] * o.shape[1] * o.shape[2]"), scalar("splits", "int", "2")]
         return Params(self.arguments, [
             *sources,
             Param("out", f"{out_type}* __restrict__", "ptr", "o.data_ptr()", "out"), *out,
             Param("out_lse", "float* __restrict__", "ptr", "0 if lse is None else lse.data_ptr()", "out_lse"),
-            *[Param(f"out_lse_{d}", "i64", "i64", f"0 if lse is None else lse.stride({i})", "out_lse") for i, d in enumerate(dims)],
+            *[Param(f"out_lse_{d}", "i64", "i64", f"0 if lse is None else {value}", "out_lse") for d, value in zip(dims, out_lse)],
             *sizes,
         ])
 
     def grid(self, spec: KernelSpec) -> str:
-        return f"(-(-(o.shape[0] * o.shape[1] * o.shape[2]) // {self.num_warps}), 1, 1)"
+        rows = "batch * heads * seqlen_q" if spec.kind == "combine" else "o.shape[0] * o.shape[1] * o.shape[2]"
+        return f"(-(-({rows}) // {self.rows_per_block(spec)}), 1, 1)"
 
     def context(self, spec: KernelSpec) -> dict:
         in_type, out_type = self.types(spec)
-        return {**super().context(spec), "in_type": in_type, "out_type": out_type, "num_warps": self.num_warps}
+        return {
+            **super().context(spec), "in_type": in_type, "out_type": out_type, "num_warps": self.threads(spec) // 32,
+            "warps_per_row": self.warps_per_row(spec),
+            "state_slots": MAX_SPLITS // 32 if spec.kind == "combine" else 1,  # merge_attention_states: two states
+        }
 
 
 class MergeStatesFp32(MergeStates):
