@@ -512,3 +512,16 @@ def test_bench_decode_refuses_a_plot():
 
     result = CliRunner().invoke(main, ["bench", "--decode", "--plot", "x.png"])
     assert result.exit_code == 1 and "--decode has none" in result.output
+
+
+def test_a_serving_plan_is_never_sliced(driver, stub_kernels, cpu_device, monkeypatch):
+    """Its grid puts batch and KV heads where the checks keep them (at most 65,535 each), so
+    70,000 query tokens (q.shape[1], where the forward's plans keep heads) are one launch."""
+    monkeypatch.setattr(plans, "slices", lambda values: pytest.fail("a serving plan was sliced"))
+    q = torch.zeros(1, 1, 8, 64, dtype=BF16).expand(1, 70_000, 8, 64)
+    cache = torch.zeros(1, 16, 2, 64, dtype=BF16)
+    plan, splits = plans.decode(-1, 64, BF16, False, 70_000 * 4, 1, 2, 16)
+    assert plan.whole and splits == 1
+    plan.run(-1, serving.launch_values(q, cache, cache, None, None, None, None, 16, 0, torch.empty(1, 1, 8, 64, dtype=BF16), None, 1, True, 1.0))
+    (launch,) = driver.launches
+    assert launch["grid"] == (-(-70_000 * 4 // 64), 2, 1)
