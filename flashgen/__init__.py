@@ -18,6 +18,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "attention": "api",
     "attention_varlen": "varlen",
+    "attention_with_kvcache": "serving",
+    "merge_attention_states": "serving",
     "CacheError": "cache",
     "KernelCache": "cache",
     "CompileError": "compile",
@@ -32,7 +34,7 @@ _EXPORTS = {
 }
 _SUBMODULES = (
     "aot", "api", "bench", "cache", "check", "cli", "compile", "families", "kernels", "params", "plans",
-    "reference", "render", "runtime", "smem", "spec", "tuning", "varlen",
+    "reference", "render", "runtime", "serving", "smem", "spec", "tuning", "varlen",
 )
 
 __all__ = sorted(_EXPORTS) + ["reference"]

@@ -435,3 +435,188 @@ def run_varlen(json_path=None, console=None) -> dict:
         with open(json_path, "w") as file:
             json.dump(report, file, indent=2)
     return report
+
+
+# ---- flashgen bench --decode ---------------------------------------------------------------------
+
+DECODE_CASES = ((1, 1024), (1, 8192), (1, 65536), (8, 131072))  # (batch, cache length)
+DECODE_HEADS, DECODE_KV_HEADS, DECODE_HEAD_DIM, DECODE_PAGE = 32, 8, 128, 16
+GRAPH_CALLS, GRAPH_REPS = 20, 10
+
+
+def graph_time_us(fn, calls: int = GRAPH_CALLS, reps: int = GRAPH_REPS) -> float:
+    """GPU microseconds per call of `fn`: `calls` calls captured in one CUDA graph (so no host cost
+    counts), the median of `reps` replays timed with CUDA events, divided by `calls`."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile, load and allocate outside the graph
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def copy_rate_tbs(size: int = 2**30) -> float:
+    """Device-to-device copy rate, counting the bytes read and the bytes written (TB/s)."""
+    src, dst = torch.empty(size, dtype=torch.uint8, device="cuda"), torch.empty(size, dtype=torch.uint8, device="cuda")
+    ms = time_ms(lambda: dst.copy_(src), warmup=3, rep=10)
+    return 2 * size / (ms * 1e-3) / 1e12
+
+
+def _decode_step(batch, seqlen, paged, gen):
+    """A decode step's inputs for flashgen: q (B, 1, H, d), a cache holding seqlen - 1 tokens (the
+    step appends the seqlen-th), contiguous or in shuffled 16-token pages."""
+    heads, kv_heads, d = DECODE_HEADS, DECODE_KV_HEADS, DECODE_HEAD_DIM
+    bf16 = torch.bfloat16
+    q = torch.randn(batch, 1, heads, d, device="cuda", dtype=bf16, generator=gen)
+    k, v = (torch.randn(batch, 1, kv_heads, d, device="cuda", dtype=bf16, generator=gen) for _ in range(2))
+    block_table = None
+    if paged:
+        per_seq = seqlen // DECODE_PAGE
+        shape = (batch * per_seq, DECODE_PAGE, kv_heads, d)
+        block_table = torch.randperm(batch * per_seq, device="cuda", generator=gen).view(batch, per_seq).to(torch.int32)
+    else:
+        shape = (batch, seqlen, kv_heads, d)
+    k_cache, v_cache = (torch.randn(shape, device="cuda", dtype=bf16, generator=gen) for _ in range(2))
+    lengths = torch.full((batch,), seqlen - 1, device="cuda", dtype=torch.int32)
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=lengths, block_table=block_table)
+
+
+def _flashgen_step(inputs):
+    from .serving import attention_with_kvcache
+
+    return lambda: attention_with_kvcache(**inputs, causal=True)
+
+
+def _sdpa_inputs(batch, seqlen, gen):
+    """SDPA's layout of the same problem: q (B, H, 1, d), k and v (B, H_kv, T, d), enable_gqa=True."""
+    bf16 = torch.bfloat16
+    q = torch.randn(batch, DECODE_HEADS, 1, DECODE_HEAD_DIM, device="cuda", dtype=bf16, generator=gen)
+    k, v = (torch.randn(batch, DECODE_KV_HEADS, seqlen, DECODE_HEAD_DIM, device="cuda", dtype=bf16, generator=gen) for _ in range(2))
+    return q, k, v
+
+
+def _sdpa_step(pin, q, k, v):
+    def run():
+        with pin():
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    return run
+
+
+def decode_rows(cases=DECODE_CASES, rate: float | None = None) -> list[dict]:
+    """GPU time per decode step (graph replay) of flashgen (append + attention (+ combine)),
+    contiguous and paged, next to SDPA's FLASH and CUDNN and to the memory floor: the K and V bytes
+    at the measured copy rate."""
+    from . import plans
+
+    rate = rate or copy_rate_tbs()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for batch, seqlen in cases:
+        kv_bytes = 2 * batch * DECODE_KV_HEADS * seqlen * DECODE_HEAD_DIM * 2
+        sdpa = {}
+        q, k, v = _sdpa_inputs(batch, seqlen, gen)
+        for name in ("flash", "cudnn"):
+            try:
+                sdpa[name] = graph_time_us(_sdpa_step(sdpa_backends()[name], q, k, v))
+            except RuntimeError:  # the backend refuses this shape or GPU
+                sdpa[name] = None
+        del q, k, v
+        for paged in (False, True):
+            inputs = _decode_step(batch, seqlen, paged, gen)
+            us = graph_time_us(_flashgen_step(inputs))
+            plan, splits = plans.decode(0, DECODE_HEAD_DIM, torch.bfloat16, paged, DECODE_HEADS // DECODE_KV_HEADS, batch,
+                                        DECODE_KV_HEADS, seqlen + 1)
+            floor = kv_bytes / (rate * 1e12) * 1e6
+            measured = [t for t in sdpa.values() if t]
+            best = min(measured) if measured else None
+            rows.append({
+                "B": batch, "T": seqlen, "layout": f"paged {DECODE_PAGE}" if paged else "contiguous", "flashgen_us": us,
+                "flash_us": sdpa["flash"], "cudnn_us": sdpa["cudnn"], "floor_us": floor, "vs_floor": us / floor,
+                "vs_best_sdpa": us / best if best else None, "tbs": kv_bytes / (us * 1e-6) / 1e12, "splits": splits,
+                "kernels": " + ".join(k.spec.name for k in plan.kernels),
+            })
+            del inputs
+    return rows
+
+
+def decode_host_us(calls: int = HOST_CALLS, rounds: int = HOST_ROUNDS) -> dict:
+    """Wall time per eager call of one decode step (B = 1, 32:8 heads, d = 128, a 1k paged cache,
+    append + attention), where the host cost dominates, against one SDPA call on the same shape;
+    rounds interleaved as in host_overhead_us."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    step = _flashgen_step(_decode_step(1, 1024, True, gen))
+    q, k, v = _sdpa_inputs(1, 1024, gen)
+    ops = {"flashgen": step, "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)}
+    times = {name: [] for name in ops}
+    for _ in range(100):
+        for fn in ops.values():
+            fn()
+    for _ in range(rounds):
+        for name, fn in ops.items():
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            times[name].append((time.perf_counter() - start) / calls * 1e6)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+DECODE_COLUMNS = ("B", "cache", "layout", "flashgen us", "flash us", "cudnn us", "floor us", "vs floor",
+                  "vs best SDPA", "TB/s", "splits", "kernels")
+
+
+def _decode_cells(row) -> list[str]:
+    fmt = lambda x, spec=".1f": "-" if x is None else format(x, spec)  # noqa: E731
+    return [
+        str(row["B"]), f"{row['T'] // 1024}k", row["layout"], fmt(row["flashgen_us"]), fmt(row["flash_us"]),
+        fmt(row["cudnn_us"]), fmt(row["floor_us"]), fmt(row["vs_floor"], ".2f"), fmt(row["vs_best_sdpa"], ".2f"),
+        fmt(row["tbs"], ".2f"), str(row["splits"]), row["kernels"],
+    ]
+
+
+def decode_markdown(report: dict) -> str:
+    lines = [
+        f"Decode, GPU time per step through CUDA-graph replay ({DECODE_HEADS}:{DECODE_KV_HEADS} heads, d = "
+        f"{DECODE_HEAD_DIM}, bf16, Tq = 1; flashgen appends the step's token; SDPA with enable_gqa=True; floor = K + V "
+        f"bytes at the measured copy rate, {report['copy_rate_tbs']:.2f} TB/s)",
+        "", "| " + " | ".join(DECODE_COLUMNS) + " |", "|" + "---|" * len(DECODE_COLUMNS),
+    ]
+    lines += ["| " + " | ".join(_decode_cells(row)) + " |" for row in report["decode"]]
+    host = report["decode_host_us"]
+    lines += ["", f"Eager host cost of a decode step (B = 1, 1k paged cache, append + attention; median of {HOST_ROUNDS} "
+                  f"rounds of {HOST_CALLS}): flashgen {host['flashgen']:.1f} us, one SDPA call {host['sdpa']:.1f} us", ""]
+    return "\n".join(lines)
+
+
+def run_decode(json_path=None, console=None) -> dict:
+    """`flashgen bench --decode`: the decode table and the eager host cost (well under a minute)."""
+    from rich.console import Console
+
+    console = console or Console()
+    if not torch.cuda.is_available():
+        raise RuntimeError("flashgen bench needs an NVIDIA GPU: PyTorch sees none on this machine")
+    rate = copy_rate_tbs()
+    report = {
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+        "copy_rate_tbs": rate, "decode": decode_rows(rate=rate), "decode_host_us": decode_host_us(),
+    }
+    console.print(decode_markdown(report), highlight=False)
+    if json_path:
+        with open(json_path, "w") as file:
+            json.dump(report, file, indent=2)
+    return report

@@ -212,18 +212,31 @@ def show(resources, **options):
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="also write the numbers here")
 @click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False), help="also write the tables here, as Markdown")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="also draw the tables here (.png, .svg, .pdf)")
-@click.option("--varlen", is_flag=True, help="only attention_varlen: 16 mixed-length sequences against a uniform batch")
-def bench(head_dims, seqlens, modes, json_path, markdown_path, plot_path, varlen):
+@click.option("--varlen", is_flag=True, help="instead: attention_varlen on 16 mixed-length sequences against a uniform batch")
+@click.option("--decode", is_flag=True, help="instead: decode steps over a KV cache (attention_with_kvcache), GPU time "
+                                             "through CUDA-graph replay next to SDPA and the memory floor, and the host cost")
+def bench(head_dims, seqlens, modes, json_path, markdown_path, plot_path, varlen, decode):
     """flashgen next to SDPA's FLASH, CUDNN and EFFICIENT backends, in TFLOPS."""
     from . import bench as benchmark
 
+    if varlen and decode:
+        _fail(click.UsageError("--varlen and --decode are separate benchmarks: ask for one"))
     if varlen:
         try:
             benchmark.run_varlen(json_path=json_path, console=console)
         except RuntimeError as error:
             _fail(error)
         return
-
+    if decode:
+        if plot_path:
+            _fail(click.UsageError("--plot draws the TFLOPS tables; --decode has none"))
+        try:
+            report = benchmark.run_decode(json_path=json_path, console=console)
+        except RuntimeError as error:
+            _fail(error)
+        if markdown_path:
+            Path(markdown_path).write_text(benchmark.decode_markdown(report))
+        return
     if plot_path:
         _need_matplotlib()  # before minutes of timing, not after
     try:

@@ -16,6 +16,7 @@ import torch
 from . import kernels, tuning
 from .families import padded
 from .families.backward import padded_varlen
+from .families.decode import MAX_SPLITS
 from .kernels import Kernel
 from .spec import KernelSpec, arch_for_capability
 
@@ -55,7 +56,7 @@ class Convert:
 class Plan:
     steps: tuple
     scratch: tuple[Scratch, ...] = ()
-    varlen: bool = False  # packed sequences: one launch covers the call (attention_varlen checks the grid)
+    whole: bool = False  # one piece, never sliced: its callers keep the grids in bounds (varlen and serving plans)
 
     @property
     def kernels(self) -> list[Kernel]:
@@ -64,12 +65,11 @@ class Plan:
     def run(self, device: int, values: dict) -> None:
         """Run every step on `device`'s current stream; `values` holds the call's named tensors and
         scalars, and gains the scratch buffers."""
-        like = values["q"]
         for buffer in self.scratch:
             make = torch.zeros if buffer.zeroed else torch.empty
-            values[buffer.name] = make(buffer.shape(values), dtype=buffer.dtype, device=like.device)
-        batch, heads = like.shape[:2]
-        parts = (values,) if self.varlen or (batch <= MAX_GRID_YZ and heads <= MAX_GRID_YZ) else slices(values)
+            values[buffer.name] = make(buffer.shape(values), dtype=buffer.dtype, device=values["q"].device)
+        batch, heads = (0, 0) if self.whole else values["q"].shape[:2]
+        parts = (values,) if batch <= MAX_GRID_YZ and heads <= MAX_GRID_YZ else slices(values)
         for part in parts:
             for step in self.steps:
                 step.run(device, part)
@@ -174,7 +174,7 @@ def forward_varlen(device: int, head_dim: int, dtype: torch.dtype, causal: bool,
         chosen = KernelSpec.from_json(spec) if spec else tuning.forward_spec(
             head_dim, DTYPES[dtype], causal, device_arch(device), max_seqlen_q, varlen=True
         )
-        plan = _plans[key] = Plan((Launch(kernels.get(chosen)),), varlen=True)
+        plan = _plans[key] = Plan((Launch(kernels.get(chosen)),), whole=True)
     return plan
 
 
@@ -196,7 +196,85 @@ def backward_varlen(device: int, head_dim: int, dtype: torch.dtype, causal: bool
         scratch = [Scratch("delta", _varlen_stats), Scratch("lse_log2", _varlen_stats)]
         steps = [Launch(kernels.get(spec)) for spec in [prep, *specs]]
         _sum_dq(specs, scratch, steps)
-        plan = _plans[key] = Plan(tuple(steps), tuple(scratch), varlen=True)
+        plan = _plans[key] = Plan(tuple(steps), tuple(scratch), whole=True)
+    return plan
+
+
+# ---- the plans of flashgen.attention_with_kvcache and merge_attention_states -------------------
+
+_sm_counts: dict[int, int] = {}
+
+
+def sm_count(device: int) -> int:
+    """Streaming multiprocessors of `device`."""
+    count = _sm_counts.get(device)
+    if count is None:
+        count = _sm_counts[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return count
+
+
+MIN_SPLIT_TILES = 2  # key tiles a split gets at least: every block pays the pipeline's start and the merge
+FULL = 0.8  # blocks that fill this share of the GPU's slots already run unsplit
+GOOD_ENOUGH = 0.95  # the fewest splits whose waves are this close to the best split count's
+
+
+def num_splits(blocks: int, key_tiles: int, slots: int, max_splits: int = MAX_SPLITS) -> int:
+    """How many blocks the keys of each (sequence, KV head, row tile) are split across (split-KV,
+    flash-decoding), from shapes only: `blocks` = batch x KV heads x row tiles, `key_tiles` = the
+    cache's capacity (plus the new keys) in key tiles, `slots` = blocks the GPU runs at once (SMs x
+    blocks per SM). Never the lengths in cache_seqlens: a captured graph stays right as they grow
+    (a split past a sequence's end is an empty partial). Unsplit when the blocks fill the GPU
+    already; else the fewest splits, at least MIN_SPLIT_TILES tiles each, whose last wave of blocks
+    is nearly as full as the best count's (blocks x splits / (waves x slots))."""
+    limit = max(1, min(max_splits, key_tiles // MIN_SPLIT_TILES))
+    if blocks >= FULL * slots or limit == 1:
+        return 1
+
+    def fill(splits: int) -> float:
+        launched = blocks * splits
+        return launched / (-(-launched // slots) * slots)
+
+    best = max(fill(s) for s in range(1, limit + 1))
+    return next(s for s in range(1, limit + 1) if fill(s) >= GOOD_ENOUGH * best)
+
+
+def _partials(values: dict) -> tuple:
+    """The split-KV scratch, flat fp32: [splits, batch, heads, seqlen_q, head_dim] partial outputs,
+    then [splits, batch, heads, seqlen_q] their log-sum-exps."""
+    rows = values["splits"] * values["batch"] * values["heads"] * values["seqlen_q"]
+    return (rows * (values["q"].shape[3] + 1),)
+
+
+def decode(device: int, head_dim: int, dtype: torch.dtype, paged: bool, rows: int, batch: int, kv_heads: int,
+           max_keys: int, splits: int = 0) -> tuple[Plan, int]:
+    """attention_with_kvcache's plan and its split count for a shape: the decode kernel the tables
+    pick for `rows` packed query rows per KV head; with more than one split (`splits`, or 0 for
+    num_splits' choice over `max_keys`, the cache's capacity plus the new keys), fp32 partials in
+    scratch and the combine kernel after it."""
+    key = ("decode", device, head_dim, dtype, paged, rows, batch, kv_heads, max_keys, splits)
+    found = _plans.get(key)
+    if found is None:
+        arch = device_arch(device)
+        spec = tuning.decode_spec(head_dim, DTYPES[dtype], arch, paged, rows)
+        chosen = splits or num_splits(
+            batch * kv_heads * -(-rows // spec.block_m), -(-max_keys // spec.block_n),
+            sm_count(device) * spec.family.blocks_per_sm(spec),
+        )
+        steps, scratch = [Launch(kernels.get(spec))], []
+        if chosen > 1:
+            steps.append(Launch(kernels.get(tuning.merge_spec("combine", head_dim, DTYPES[dtype], arch))))
+            scratch = [Scratch("partials", _partials)]
+        found = _plans[key] = (Plan(tuple(steps), tuple(scratch), whole=True), chosen)
+    return found
+
+
+def merge(device: int, head_dim: int, dtype: torch.dtype) -> Plan:
+    """merge_attention_states' plan: one launch of the merge kernel for states of `dtype`."""
+    key = ("merge", device, head_dim, dtype)
+    plan = _plans.get(key)
+    if plan is None:
+        kind, name = ("merge_fp32", "bf16") if dtype == torch.float32 else ("merge", DTYPES[dtype])
+        plan = _plans[key] = Plan((Launch(kernels.get(tuning.merge_spec(kind, head_dim, name, device_arch(device)))),), whole=True)
     return plan
 
 

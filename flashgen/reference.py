@@ -161,3 +161,115 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         lses.append(lse[0])
     out, lse = torch.cat(outs), torch.cat(lses, dim=1)
     return (out, lse) if return_lse else out
+# ---- serving: attention over a KV cache, and the merge of attention states ---------------------
+
+
+def merge_attention_states(o_a, lse_a, o_b, lse_b):
+    """flashgen.merge_attention_states in plain PyTorch: (o, lse) with lse = log(exp(lse_a) +
+    exp(lse_b)) and o = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b, in fp32 (fp64 for fp64 states);
+    o of o_a's dtype.
+    lse has o.shape[:-1]; a state with lse = -inf holds nothing and its o is not read (both -inf:
+    o = 0, lse = -inf)."""
+    def wide(t):  # fp32, or fp64 for fp64 inputs
+        return t.to(torch.promote_types(t.dtype, torch.float32))
+
+    lse_a, lse_b = wide(lse_a), wide(lse_b)
+    lse = torch.logaddexp(lse_a, lse_b)
+    shift = torch.where(torch.isneginf(lse), 0.0, lse)  # exp(-inf - 0) = 0, not exp(nan)
+
+    def share(o_s, lse_s):  # a state with lse -inf is never read (the kernel skips it)
+        return torch.where(torch.isneginf(lse_s)[..., None], 0.0, torch.exp(lse_s - shift)[..., None] * wide(o_s))
+
+    return (share(o_a, lse_a) + share(o_b, lse_b)).to(o_a.dtype), lse
+
+
+def _cache_rows(cache, b, positions, block_table):
+    """Rows `positions` of sequence b's cache: (positions, heads_kv, d); a page outside the cache
+    gives zeros (what the kernel reads for it)."""
+    if block_table is None:
+        return cache[b, positions]
+    num_pages, page_size = cache.shape[:2]
+    pages = block_table[b].long()[positions // page_size]
+    valid = (pages >= 0) & (pages < num_pages)
+    rows = cache.new_zeros(len(positions), *cache.shape[2:])
+    rows[valid] = cache[pages[valid], positions[valid] % page_size]
+    return rows
+
+
+def _attend(q, keys, values, causal, scale, upcast, splits):
+    """One sequence: q (seqlen_q, heads, d) over keys/values (n, heads_kv, d) -> o (seqlen_q, heads,
+    d), lse (heads, seqlen_q). With splits > 1 the keys are cut into that many runs whose states
+    are merged by their log-sum-exp: the split-KV form of the same result."""
+    q, keys, values = (t.transpose(0, 1)[None] for t in (q, keys, values))  # (1, heads, rows, d)
+    n = keys.shape[2]
+    if splits <= 1:
+        o, lse = naive_attention(q, keys, values, causal=causal, scale=scale, upcast=upcast)
+        return o[0].transpose(0, 1), lse[0]
+    dtype = q.dtype
+    k, v = _expand_kv(q, keys, values)
+    if upcast:
+        q, k, v = q.float(), k.float(), v.float()
+    scores = torch.matmul(q * scale, k.transpose(-1, -2)).float()
+    if causal:
+        scores = scores.masked_fill(~visible(q.shape[2], n, q.device), -math.inf)
+    o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:-1], -math.inf, device=q.device)
+    for cols in torch.arange(n, device=q.device).tensor_split(splits):  # runs of keys (some may be empty)
+        part = scores[..., cols]
+        lse_s = torch.logsumexp(part, dim=-1) if len(cols) else torch.full_like(lse, -math.inf)
+        probs = torch.exp(part - torch.where(torch.isneginf(lse_s), 0.0, lse_s)[..., None])
+        o_s = torch.matmul(probs.to(v.dtype), v[..., cols, :]).float()
+        o, lse = merge_attention_states(o, lse, o_s, lse_s)
+    return o.to(dtype)[0].transpose(0, 1), lse[0]
+
+
+def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, block_table=None,
+                           softmax_scale=None, causal=False, num_splits=0, return_softmax_lse=False, upcast=True):
+    """flashgen.attention_with_kvcache in plain PyTorch, on any device (the tests run it on the
+    CPU). Like the kernel it appends k and v into k_cache and v_cache in place (pass copies to keep
+    the originals), with the kernel's rules for bad input: a length is clamped to [0, capacity], a
+    new token past the capacity is attended to but not stored, a block-table entry outside
+    [0, num_blocks) reads as zeros and is not written. The attention reads every sequence's cache
+    before any append, and its new keys from k and v, as the kernel does.
+
+    num_splits > 1 computes each sequence's attention over that many runs of keys merged by
+    merge_attention_states (the split-KV form; the same result). upcast=False computes in the
+    inputs' dtype (the numerics rule's low-precision reference), like naive_attention.
+    """
+    batch, seqlen_q, heads, head_dim = q.shape
+    scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
+    paged = block_table is not None
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    if cache_seqlens is None:
+        lengths = [capacity] * batch
+    elif isinstance(cache_seqlens, torch.Tensor):
+        lengths = cache_seqlens.tolist()
+    else:
+        lengths = [int(cache_seqlens)] * batch
+    cached = [min(max(n, 0), capacity) for n in lengths]
+    outs, lses = [], []
+    for b in range(batch):
+        positions = torch.arange(cached[b], device=k_cache.device)
+        keys, values = _cache_rows(k_cache, b, positions, block_table), _cache_rows(v_cache, b, positions, block_table)
+        if k is not None:
+            keys, values = torch.cat([keys, k[b].to(keys.device)]), torch.cat([values, v[b].to(values.device)])
+        o, lse = _attend(q[b], keys.to(q.device), values.to(q.device), causal, scale, upcast, num_splits)
+        outs.append(o)
+        lses.append(lse)
+    if k is not None:  # the appends, after every read
+        for b in range(batch):
+            for j in range(k.shape[1]):
+                pos = cached[b] + j
+                if pos >= capacity:
+                    break
+                if paged:
+                    page = int(block_table[b, pos // k_cache.shape[1]])
+                    if not 0 <= page < k_cache.shape[0]:
+                        continue
+                    at = (page, pos % k_cache.shape[1])
+                else:
+                    at = (b, pos)
+                k_cache[at] = k[b, j]
+                v_cache[at] = v[b, j]
+    out = torch.stack(outs)
+    return (out, torch.stack(lses).float()) if return_softmax_lse else out

@@ -152,7 +152,12 @@ def mma_forward_spec(head_dim: int, dtype: str, causal: bool, arch: str, seqlen_
 
 
 def tuned_spec(kind: str | None, head_dim: int, dtype: str, causal: bool, arch: str) -> KernelSpec:
-    """The table's spec of a kind for long sequences; kind None is the forward the tables pick."""
+    """The table's spec of a kind for long sequences; kind None is the forward the tables pick.
+    (A decode kind: its spec for one query row; causal does not change a decode or merge kernel.)"""
+    if kind in DECODE_KINDS:
+        return decode_spec(head_dim, dtype, arch, kind == "decode_paged", rows=1)
+    if kind in MERGE_KINDS:
+        return merge_spec(kind, head_dim, dtype, arch)
     if kind is None:
         return forward_spec(head_dim, dtype, causal, arch, seqlen_q=4096)
     if kind == "bwd_prep":
@@ -209,4 +214,52 @@ def shipped_varlen_specs(arch: str, head_dims=TEST_HEAD_DIMS) -> list[KernelSpec
                 specs.append(backward_prep(head_dim, dtype, arch, varlen=True))
                 for deterministic in (False, True):
                     specs += backward_specs(head_dim, dtype, causal, arch, deterministic, varlen=True)
+    return list(dict.fromkeys(specs))
+
+
+# ---- serving: attention_with_kvcache and merge_attention_states ----------------------------------
+
+DECODE_KINDS = ("decode", "decode_paged")
+MERGE_KINDS = ("combine", "merge", "merge_fp32")
+DECODE_BLOCK_M = (16, 64)  # packed query rows of a decode block: one warp's 16, or 16 for each of 4 warps
+
+
+def decode_block_m(rows: int) -> int:
+    """The decode kernel's block_m for `rows` packed query rows of a KV head (query heads per KV
+    head x query tokens): 16 covers a decode step of up to 16 heads per KV head; more rows take
+    64-row blocks (as many as they need)."""
+    return DECODE_BLOCK_M[0] if rows <= DECODE_BLOCK_M[0] else DECODE_BLOCK_M[1]
+
+
+def decode_spec(head_dim: int, dtype: str, arch: str, paged: bool, rows: int) -> KernelSpec:
+    """The decode kernel for a problem: the table's first tile shape (block_n, num_warps,
+    num_stages) that is a valid spec with the block_m the rows need."""
+    kind = "decode_paged" if paged else "decode"
+    check_head_dim(head_dim)
+    error = None
+    for tiles in candidates(kind, head_dim, dtype, False, arch, "*"):
+        try:
+            return KernelSpec(head_dim=head_dim, dtype=dtype, arch=arch, kind=kind, **{**tiles, "block_m": decode_block_m(rows)})
+        except SpecError as rejected:
+            error = rejected
+    raise SpecError(f"no {kind} tile shape fits head_dim={head_dim} on {arch}: {error or 'the tuning table has no entry'}")
+
+
+def merge_spec(kind: str, head_dim: int, dtype: str, arch: str) -> KernelSpec:
+    """The combine of split partials (kind "combine", into `dtype`), or the merge of two states of
+    `dtype` ("merge") or of fp32 ("merge_fp32", dtype unused)."""
+    if kind == "merge_fp32":
+        return KernelSpec(head_dim=head_dim, arch=arch, kind=kind)
+    return KernelSpec(head_dim=head_dim, dtype=dtype, arch=arch, kind=kind)
+
+
+def serving_specs(arch: str, head_dims=TEST_HEAD_DIMS) -> list[KernelSpec]:
+    """Every decode and merge spec the serving functions pick on `arch` for these head dims, both
+    dtypes, contiguous and paged caches, both row counts."""
+    specs = []
+    for head_dim in head_dims:
+        for dtype in ("bf16", "fp16"):
+            for paged in (False, True):
+                specs += [decode_spec(head_dim, dtype, arch, paged, rows) for rows in DECODE_BLOCK_M]
+            specs += [merge_spec(kind, head_dim, dtype, arch) for kind in MERGE_KINDS]
     return list(dict.fromkeys(specs))

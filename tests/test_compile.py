@@ -10,6 +10,7 @@ from flashgen.spec import SMEM_LIMIT, KernelSpec
 
 # Every spec the tables pick on the H200, forward and backward; sm_80 for the most common head dims.
 SHIPPED = tuning.shipped_specs("sm_90a") + tuning.shipped_specs("sm_80", head_dims=(64, 128))
+SHIPPED += tuning.serving_specs("sm_90a") + tuning.serving_specs("sm_80", head_dims=(64, 128))
 
 
 def test_sweep_covers_both_targets_and_every_kind():

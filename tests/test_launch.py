@@ -25,6 +25,8 @@ ONE_OF_EACH_KIND = [
     tuning.tuned_spec("bwd_sm90_kvq", 64, "fp16", False, "sm_90a"),
     *(tuning.tuned_spec(kind, 256, "bf16", False, "sm_90a") for kind in ("bwd_v", "bwd_kq", "bwd_k")),
     tuning.tuned_spec("bwd_kvq", 64, "bf16", False, "sm_80"),
+    tuning.decode_spec(128, "bf16", "sm_90a", False, 4), tuning.decode_spec(80, "fp16", "sm_80", True, 40),
+    *(tuning.merge_spec(kind, 64, "fp16", "sm_90a") for kind in tuning.MERGE_KINDS),
 ]
 PTX_TYPES = {"ptr": ".u64", "i64": ".u64", "int": ".u32", "float": ".f32"}
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 from .backward import STATS_PAD, BackwardPrep, KeyMajorBackward, QueryMajorBackward, padded
 from .base import Family
+from .decode import DecodeAttention, MergeStates, MergeStatesFp32
 from .forward import MmaForward
 from .hopper import HopperForward
 from .hopper_backward import HopperBackward
 
 FAMILIES: tuple[Family, ...] = (
     MmaForward(), HopperForward(), KeyMajorBackward(), QueryMajorBackward(), BackwardPrep(), HopperBackward(),
+    DecodeAttention(), MergeStates(), MergeStatesFp32(),
 )
 BY_KIND: dict[str, Family] = {kind: family for family in FAMILIES for kind in family.kinds}
 KINDS = tuple(BY_KIND)

@@ -1,0 +1,253 @@
+"""Serving kernels: attention of a few query rows over a KV cache (flash-decoding), and the merge of
+partial attention states by their log-sum-exp.
+
+- DecodeAttention (decode, decode_paged): one block per (query-row tile x key split, KV head,
+  sequence). The query heads that share a KV head and the query tokens are packed into the block's
+  rows (GQA/MQA: each K/V byte is read once), keys stream through a cp.async pipeline of
+  `num_stages` tiles, and the warps split each tile's keys between them (a decode has too few rows
+  to give every warp its own). New keys and values are appended to the cache in place by the block
+  whose key range holds them, and read straight from the new tensors, so no block waits for
+  another's writes. With one split the block writes o (and lse); with more it writes its normalized
+  partial output and log-sum-exp (fp32) for the combine.
+- MergeStates (combine, merge) and MergeStatesFp32 (merge_fp32): o = sum_s exp(lse_s - lse) o_s
+  with lse = log sum_s exp(lse_s), per row: the split-KV combine (fp32 partials in) and
+  merge_attention_states (two states of any float dtype), one template.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ..params import Param, Params, pointer, scalar, tensor
+from ..smem import Region, SmemLayout
+from ..spec import SMEM_LIMIT, KernelSpec, SpecError
+from .base import Family, MmaTiles
+
+MAX_SPLITS = 128  # splits of one (sequence, KV head): the combine's loop and the scratch stay small
+PAGE_SIZES = tuple(range(16, 257, 16))  # paged caches: page sizes multiples of 16 from 16 to 256
+
+
+@functools.cache
+def fast_divisor(divisor: int) -> tuple[int, int]:
+    """(magic, shift) such that n // divisor == (umulhi(n, magic) + n) >> shift for every
+    0 <= n < 2**31 (the round-up method of Granlund and Montgomery, 1994): the kernel divides
+    key positions by the page size without an integer division."""
+    if not 1 <= divisor < 2**31:
+        raise ValueError(f"divisor={divisor}: must be in [1, 2**31)")
+    shift = (divisor - 1).bit_length()  # ceil(log2(divisor))
+    magic = (2**32 * (2**shift - divisor)) // divisor + 1
+    return magic, shift
+
+
+def _occupancy(spec: KernelSpec, threads: int, smem: int) -> int:
+    """Blocks of this size one SM holds at once, by shared memory and threads (each block also
+    takes 1 KiB of shared memory for the system; the SM has 1 KiB more than a block may use)."""
+    by_smem = (SMEM_LIMIT[spec.arch] + 1024) // (smem + 1024)
+    by_threads = (1536 if spec.arch in ("sm_86", "sm_89") else 2048) // threads
+    return max(1, min(by_smem, by_threads, 16))
+
+
+class DecodeAttention(Family):
+    kinds = ("decode", "decode_paged")
+    template = "attention_decode.cu.j2"
+    fields = ("head_dim", "block_m", "block_n", "dtype", "num_warps", "num_stages", "arch")
+    # The tensors, and the sizes attention_with_kvcache has read once already (the packing then
+    # reads no shape twice): a decode step's host cost is mostly Python.
+    arguments = ("q", "k_cache", "v_cache", "k", "v", "k_strides", "v_strides", "cache_seqlens", "cache_seqlens_stride",
+                 "cache_len", "capacity", "block_table", "num_pages", "page_size", "page_divisor", "o", "lse", "partials",
+                 "batch", "seqlen_q", "heads", "kv_heads", "seqlen_new", "splits", "causal", "scale")
+
+    @staticmethod
+    def paged(spec: KernelSpec) -> bool:
+        return spec.kind == "decode_paged"
+
+    @staticmethod
+    def warps_m(spec: KernelSpec) -> int:
+        """Warps along the rows: each owns 16 of the block's rows."""
+        return spec.block_m // 16
+
+    def warps_n(self, spec: KernelSpec) -> int:
+        """Warps along the keys: they share rows and split each key tile between them."""
+        return spec.num_warps // self.warps_m(spec)
+
+    def check(self, spec: KernelSpec) -> None:
+        if spec.num_warps not in (1, 2, 4, 8):
+            raise SpecError(f"num_warps={spec.num_warps}: must be one of (1, 2, 4, 8)")
+        if not 2 <= spec.num_stages <= 8:
+            raise SpecError(f"num_stages={spec.num_stages}: must be in [2, 8]")
+        if spec.block_m % 16 or spec.block_m < 16 or spec.num_warps % (spec.block_m // 16):
+            raise SpecError(
+                f"block_m={spec.block_m} with num_warps={spec.num_warps}: a {spec.kind} kernel gives each warp 16 "
+                f"rows, so block_m must be 16 times a divisor of num_warps"
+            )
+        warp_keys = spec.block_n // self.warps_n(spec) if spec.block_n % self.warps_n(spec) == 0 else 0
+        if spec.block_n > 256 or warp_keys % 16 or not warp_keys:
+            raise SpecError(
+                f"block_n={spec.block_n} with block_m={spec.block_m}, num_warps={spec.num_warps}: the "
+                f"{self.warps_n(spec)} warps that share rows split each key tile, and each needs a multiple of "
+                f"16 keys (block_n at most 256)"
+            )
+        accumulators = (spec.head_dim_pad + warp_keys) // 2  # O and S per thread
+        if accumulators > MmaTiles.max_accumulators:
+            raise SpecError(
+                f"block_n={spec.block_n}, head_dim={spec.head_dim}, num_warps={spec.num_warps}: each thread "
+                f"would hold {accumulators} fp32 accumulators; at most {MmaTiles.max_accumulators} fit"
+            )
+
+    def smem(self, spec: KernelSpec) -> SmemLayout:
+        row = MmaTiles.row_bytes(spec)
+        stage = 2 * spec.block_n * row  # a K tile, then a V tile
+        # After the key loop the warps merge their rows' states through the same space: per warp
+        # its 16 rows of fp32 O (pitch head_dim_pad + 8), then per warp its rows' max and sum.
+        reduce = spec.num_warps * 16 * (spec.head_dim_pad + 8) * 4 + spec.num_warps * 16 * 2 * 4
+        return SmemLayout([Region("q", spec.block_m * row), Region("kv", spec.num_stages * stage)],
+                          overlays=[Region("reduce", reduce)])
+
+    def blocks_per_sm(self, spec: KernelSpec) -> int:
+        return _occupancy(spec, self.threads(spec), spec.smem_bytes)
+
+    def params(self, spec: KernelSpec) -> Params:
+        paged = self.paged(spec)
+        new = []
+        for name in ("k", "v"):  # the keys and values to append, or none (strides 0)
+            new.append(Param(f"{name}_new", "const elem_t* __restrict__", "ptr", f"0 if {name} is None else {name}.data_ptr()", name))
+            new += [Param(f"{name}_new_{dim}", "i64", "i64", f"{name}_strides[{i}]", name) for i, dim in enumerate(("batch", "row", "head"))]
+        pages = []
+        if paged:
+            pages = [
+                pointer("block_table", "const int*"),  # [batch, max_blocks] int32
+                scalar("block_table_batch", "i64", "block_table.stride(0)"),
+                scalar("num_pages", "int"),
+                scalar("page_size", "int"),
+                scalar("page_shift", "int", "page_divisor[1]"),  # fast_divisor(page_size)
+                scalar("page_magic", "i64", "page_divisor[0]"),
+            ]
+        return Params(self.arguments, [
+            *tensor("q", dims=("batch", "row", "head")),
+            *tensor("k_cache", const=False, dims=("page" if paged else "batch", "row", "head")),
+            *tensor("v_cache", const=False, dims=("page" if paged else "batch", "row", "head")),
+            *new,
+            *pages,
+            pointer("cache_seqlens", "const int*", optional=True),  # [batch] int32, or null: cache_len
+            scalar("cache_seqlens_stride", "i64"),
+            scalar("cache_len", "int"),
+            scalar("capacity", "int"),  # keys a sequence's cache holds at most
+            scalar("seqlen_new", "int"),
+            *tensor("o", const=False, dims=("batch", "row", "head")),
+            pointer("lse", "float*", optional=True),  # [batch, heads, seqlen_q], or null
+            # With splits > 1: [splits, batch, heads, seqlen_q, head_dim] partial outputs, then
+            # [splits, batch, heads, seqlen_q] their log-sum-exps (fp32); else null.
+            pointer("partials", "float*", optional=True),
+            scalar("seqlen_q", "int"),
+            scalar("heads", "int"),
+            scalar("kv_group", "int", "heads // kv_heads"),
+            scalar("splits", "int"),
+            scalar("causal", "int"),
+            scalar("scale_log2", "float", "scale * LOG2E"),
+        ])
+
+    def grid(self, spec: KernelSpec) -> str:
+        return f"(-(-(seqlen_q * (heads // kv_heads)) // {spec.block_m}) * splits, kv_heads, batch)"
+
+    def context(self, spec: KernelSpec) -> dict:
+        return {
+            **super().context(spec),
+            "smem_stride": spec.head_dim_pad + 8,
+            "paged": self.paged(spec),
+            "warps_m": self.warps_m(spec),
+            "warps_n": self.warps_n(spec),
+            "causal": True,  # the mask piece's causal rule; a non-causal call puts every row at the last query
+        }
+
+
+class MergeStates(Family):
+    """combine: the split-KV partials (fp32) into o ({dtype}) and lse; merge: two states of {dtype}."""
+
+    kinds = ("combine", "merge")
+    template = "attention_combine.cu.j2"
+    fields = ("head_dim", "dtype", "arch")
+    arguments = ("partials", "o_a", "lse_a", "o_b", "lse_b", "o", "lse", "batch", "seqlen_q", "heads", "splits")
+
+    @staticmethod
+    def warps_per_row(spec: KernelSpec) -> int:
+        """The combine gives a row 8 warps, each a share of the splits, so that a decode's few rows
+        keep many loads in flight; a merge of two states gives each warp a row of its own."""
+        return 8 if spec.kind == "combine" else 1
+
+    def threads(self, spec: KernelSpec) -> int:
+        return 32 * (self.warps_per_row(spec) if spec.kind == "combine" else 4)
+
+    def rows_per_block(self, spec: KernelSpec) -> int:
+        return self.threads(spec) // 32 // self.warps_per_row(spec)
+
+    def smem(self, spec: KernelSpec) -> SmemLayout:
+        if self.warps_per_row(spec) == 1:
+            return SmemLayout([])
+        return SmemLayout([Region("sums", self.warps_per_row(spec) * spec.head_dim * 4)])
+
+    def types(self, spec: KernelSpec) -> tuple[str, str]:
+        """C types of the states read and of the output written."""
+        return {"combine": ("float", "elem_t"), "merge": ("elem_t", "elem_t"), "merge_fp32": ("float", "float")}[spec.kind]
+
+    def params(self, spec: KernelSpec) -> Params:
+        in_type, out_type = self.types(spec)
+        dims = ("x", "y", "z")
+        if spec.kind == "combine":
+            # The decode's partials: [splits, batch, heads, seqlen_q, d] outputs, then [splits, batch,
+            # heads, seqlen_q] log-sum-exps, in one fp32 buffer; o (batch, seqlen_q, heads, d); lse
+            # (batch, heads, seqlen_q) contiguous, or None. Rows (x, y, z) = (batch, head, query).
+            d = spec.head_dim
+            sources = [
+                Param("parts", f"const {in_type}* __restrict__", "ptr", "partials.data_ptr()", "parts"),
+                *[Param(f"parts_{dim}", "i64", "i64", f"{value} * {d}", "parts")
+                  for dim, value in zip(("split", *dims), ("batch * heads * seqlen_q", "heads * seqlen_q", "seqlen_q", "1"))],
+                Param("parts_lse", "const float* __restrict__", "ptr", f"partials.data_ptr() + 4 * splits * batch * heads * seqlen_q * {d}", "parts_lse"),
+                *[Param(f"parts_lse_{dim}", "i64", "i64", value, "parts_lse")
+                  for dim, value in zip(("split", *dims), ("batch * heads * seqlen_q", "heads * seqlen_q", "seqlen_q", "1"))],
+            ]
+            out = [Param(f"out_{dim}", "i64", "i64", f"o_stride[{i}]", "out") for dim, i in zip(dims, (0, 2, 1))]
+            out_lse = ["heads * seqlen_q", "seqlen_q", "1"]
+            sizes = [scalar("size_y", "int", "heads"), scalar("size_z", "int", "seqlen_q"),
+                     scalar("rows", "int", "batch * heads * seqlen_q"), scalar("splits", "int")]
+        else:
+            # Two states (..., d) with one layout (merge_attention_states makes sure): read as one
+            # (2, ...) tensor whose split stride is the distance between them. o, lse: contiguous.
+            size = 4 if in_type == "float" else 2
+            sources = [
+                Param("parts", f"const {in_type}* __restrict__", "ptr", "o_a.data_ptr()", "parts"),
+                Param("parts_split", "i64", "i64", f"(o_b.data_ptr() - o_a.data_ptr()) // {size}", "parts"),
+                *[Param(f"parts_{d}", "i64", "i64", f"o_a_stride[{i}]", "parts") for i, d in enumerate(dims)],
+                Param("parts_lse", "const float* __restrict__", "ptr", "lse_a.data_ptr()", "parts_lse"),
+                Param("parts_lse_split", "i64", "i64", "(lse_b.data_ptr() - lse_a.data_ptr()) // 4", "parts_lse"),
+                *[Param(f"parts_lse_{d}", "i64", "i64", f"lse_a_stride[{i}]", "parts_lse") for i, d in enumerate(dims)],
+            ]
+            out = [Param(f"out_{d}", "i64", "i64", f"o_stride[{i}]", "out") for i, d in enumerate(dims)]
+            out_lse = [f"lse.stride({i})" for i in range(3)]
+            sizes = [scalar("size_y", "int", "o.shape[1]"), scalar("size_z", "int", "o.shape[2]"),
+                     scalar("rows", "int", "o.shape[0] * o.shape[1] * o.shape[2]"), scalar("splits", "int", "2")]
+        return Params(self.arguments, [
+            *sources,
+            Param("out", f"{out_type}* __restrict__", "ptr", "o.data_ptr()", "out"), *out,
+            Param("out_lse", "float* __restrict__", "ptr", "0 if lse is None else lse.data_ptr()", "out_lse"),
+            *[Param(f"out_lse_{d}", "i64", "i64", f"0 if lse is None else {value}", "out_lse") for d, value in zip(dims, out_lse)],
+            *sizes,
+        ])
+
+    def grid(self, spec: KernelSpec) -> str:
+        rows = "batch * heads * seqlen_q" if spec.kind == "combine" else "o.shape[0] * o.shape[1] * o.shape[2]"
+        return f"(-(-({rows}) // {self.rows_per_block(spec)}), 1, 1)"
+
+    def context(self, spec: KernelSpec) -> dict:
+        in_type, out_type = self.types(spec)
+        return {
+            **super().context(spec), "in_type": in_type, "out_type": out_type, "num_warps": self.threads(spec) // 32,
+            "warps_per_row": self.warps_per_row(spec),
+            "state_slots": MAX_SPLITS // 32 if spec.kind == "combine" else 1,  # merge_attention_states: two states
+        }
+
+
+class MergeStatesFp32(MergeStates):
+    """merge_fp32: two fp32 states into fp32 (the spec's dtype is unused)."""
+
+    kinds = ("merge_fp32",)
+    fields = ("head_dim", "arch")

@@ -1,0 +1,344 @@
+"""flashgen's serving functions: attention over a KV cache with FlashAttention's
+`flash_attn_with_kvcache` names, layouts and semantics, and the merge of two attention states by
+their log-sum-exp. Input checks (named errors, all of them before the device check, so they run
+on CPU tensors), then the launch plans of plans.decode and plans.merge.
+
+Nothing here reads a tensor's values on the host: a decode step is one set of launches whose
+lengths the kernels read on the device, so it can be captured in a CUDA graph once and replayed
+as the cache grows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import plans
+from .api import softmax_scale as _scale
+from .families.decode import MAX_SPLITS, PAGE_SIZES, fast_divisor
+from .plans import DTYPES, MAX_GRID_YZ
+from .spec import HEAD_DIM_RULE
+
+MAX_KEYS = 2**31 - 1  # positions are int32 in the kernels
+NO_STRIDES = (0, 0, 0, 0)  # of the new keys and values when there are none
+
+
+def _is_aligned(t: torch.Tensor) -> bool:
+    """16-byte rows for cp.async: the base and every leading stride that is stepped over are
+    multiples of 16 bytes (8 elements), the last dimension contiguous (t is 4-D)."""
+    if t.data_ptr() % 16:
+        return False
+    if t.is_contiguous():  # the common case, one cheap test (head_dim % 8 == 0)
+        return True
+    s0, s1, s2, s3 = t.stride()
+    n0, n1, n2, _ = t.shape  # the stride of a dimension of size 1 is never used
+    return s3 == 1 and (n0 == 1 or not s0 % 8) and (n1 == 1 or not s1 % 8) and (n2 == 1 or not s2 % 8)
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    return t if _is_aligned(t) else t.clone(memory_format=torch.contiguous_format)
+
+
+def _tensor(name: str, t, dims: int, layout: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dimensions {layout}; got shape {tuple(t.shape)}")
+
+
+def _well_formed(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits):
+    """check_kvcache_inputs' answer for a call made the common way (tensors of the right types,
+    shapes and device; lengths as a tensor or None), else None: each attribute read once, since
+    they cost. Anything this accepts, the full check accepts too."""
+    tensor = torch.Tensor
+    if not type(q) is type(k_cache) is type(v_cache) is tensor:
+        return None
+    q_shape, cache_shape, dtype = q.shape, k_cache.shape, q.dtype
+    if len(q_shape) != 4 or len(cache_shape) != 4 or v_cache.shape != cache_shape:
+        return None
+    batch, _, heads, head_dim = q_shape
+    pages, rows, kv_heads, cache_dim = cache_shape
+    device = q.get_device()
+    if (dtype not in DTYPES or k_cache.dtype != dtype or v_cache.dtype != dtype or cache_dim != head_dim or not head_dim
+            or head_dim % 8 or head_dim > 256 or not kv_heads or heads % kv_heads or batch > MAX_GRID_YZ or kv_heads > MAX_GRID_YZ
+            or not q.is_cuda or k_cache.get_device() != device or v_cache.get_device() != device or q.stride()[3] != 1
+            or not (_is_aligned(k_cache) and _is_aligned(v_cache))):
+        return None
+    seqlen_new = 0
+    if k is not None or v is not None:
+        if type(k) is not tensor or type(v) is not tensor or cache_seqlens is None:
+            return None
+        new_shape = k.shape
+        if (v.shape != new_shape or len(new_shape) != 4 or new_shape[0] != batch or new_shape[2] != kv_heads
+                or new_shape[3] != head_dim or k.dtype != dtype or v.dtype != dtype or k.stride()[3] != 1
+                or v.stride()[3] != 1 or k.get_device() != device or v.get_device() != device):
+            return None
+        seqlen_new = new_shape[1]
+    if block_table is None:
+        if pages != batch:
+            return None
+        capacity = rows
+    else:
+        if (type(block_table) is not tensor or block_table.dtype != torch.int32 or rows % 16 or not 16 <= rows <= 256
+                or block_table.get_device() != device):
+            return None
+        table_shape = block_table.shape
+        if len(table_shape) != 2 or table_shape[0] != batch:
+            return None
+        capacity = table_shape[1] * rows
+    if cache_seqlens is not None and (
+        type(cache_seqlens) is not tensor or cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (batch,)
+        or cache_seqlens.get_device() != device
+    ):
+        return None
+    if capacity + seqlen_new > MAX_KEYS or type(num_splits) is not int or not 0 <= num_splits <= MAX_SPLITS:
+        return None
+    return block_table is not None, capacity, seqlen_new
+
+
+def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits) -> tuple[bool, int, int]:
+    """Raise a clear error for anything the decode kernels cannot take; returns (paged, capacity,
+    seqlen_new): whether the cache is paged, the keys one sequence's cache holds at most, and the
+    number of tokens appended."""
+    found = _well_formed(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits)
+    if found is not None:
+        return found
+    _tensor("q", q, 4, "(batch, seqlen_q, heads, head_dim), like flash_attn_with_kvcache")
+    paged = block_table is not None
+    cache_layout = "(num_blocks, page_size, heads_kv, head_dim) with a block_table" if paged else "(batch, seqlen_cache, heads_kv, head_dim)"
+    _tensor("k_cache", k_cache, 4, cache_layout)
+    _tensor("v_cache", v_cache, 4, cache_layout)
+    if q.dtype not in DTYPES:
+        raise TypeError(f"q has dtype {q.dtype}; flashgen supports torch.float16 and torch.bfloat16")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype}; it must have q's dtype, {q.dtype}")
+    batch, seqlen_q, heads, head_dim = q.shape
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have one shape; got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    pages_or_batch, rows, kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim:
+        raise ValueError(f"q and the caches must have the same head_dim; got q {head_dim}, k_cache {cache_dim}")
+    if head_dim % 8 or not 8 <= head_dim <= 256:
+        raise ValueError(f"head_dim={head_dim} is not supported: it must be {HEAD_DIM_RULE}")
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(
+            f"q has {heads} heads and the caches {kv_heads}: the number of query heads must be a multiple of "
+            f"the number of key/value heads (GQA/MQA)"
+        )
+    if (k is None) != (v is None):
+        raise ValueError(f"k and v are appended together: got k {'None' if k is None else 'a tensor'} and v {'None' if v is None else 'a tensor'}")
+    seqlen_new = 0
+    if k is not None:
+        for name, t in (("k", k), ("v", v)):
+            _tensor(name, t, 4, "(batch, seqlen_new, heads_kv, head_dim)")
+            if t.dtype != q.dtype:
+                raise TypeError(f"{name} has dtype {t.dtype}; it must have q's dtype, {q.dtype}")
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have one shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+        if k.shape[0] != batch or k.shape[2] != kv_heads or k.shape[3] != head_dim:
+            raise ValueError(
+                f"k and v must be (batch, seqlen_new, heads_kv, head_dim) = ({batch}, seqlen_new, {kv_heads}, {head_dim}); "
+                f"got {tuple(k.shape)}"
+            )
+        if cache_seqlens is None:
+            raise ValueError("k and v are appended at cache_seqlens: pass cache_seqlens (an int or an int32 (batch,) tensor)")
+        seqlen_new = k.shape[1]
+    if paged:
+        if not isinstance(block_table, torch.Tensor):
+            raise TypeError(f"block_table must be a torch.Tensor, got {type(block_table).__name__}")
+        if block_table.dtype != torch.int32:
+            raise TypeError(f"block_table must have dtype torch.int32, got {block_table.dtype}")
+        if block_table.dim() != 2 or block_table.shape[0] != batch:
+            raise ValueError(f"block_table must be (batch, max_blocks_per_sequence) with batch {batch}; got shape {tuple(block_table.shape)}")
+        if rows not in PAGE_SIZES:
+            raise ValueError(
+                f"page_size={rows} (k_cache.shape[1]) is not supported: a paged cache's pages must hold a multiple of 16 "
+                f"tokens from 16 to 256"
+            )
+        capacity = block_table.shape[1] * rows
+    else:
+        if pages_or_batch != batch:
+            raise ValueError(
+                f"k_cache has batch {pages_or_batch} and q {batch}: a contiguous cache is (batch, seqlen_cache, heads_kv, "
+                f"head_dim) (pass block_table for a paged one)"
+            )
+        capacity = rows
+    if capacity + seqlen_new > MAX_KEYS:
+        raise ValueError(f"the cache holds {capacity} keys and {seqlen_new} are appended: at most {MAX_KEYS} keys in all")
+    if isinstance(cache_seqlens, torch.Tensor):
+        if cache_seqlens.dtype != torch.int32:
+            raise TypeError(f"cache_seqlens must have dtype torch.int32, got {cache_seqlens.dtype}")
+        if cache_seqlens.shape != (batch,):
+            raise ValueError(f"cache_seqlens must have shape (batch,) = ({batch},); got {tuple(cache_seqlens.shape)}")
+    elif cache_seqlens is not None:
+        if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, int):
+            raise TypeError(f"cache_seqlens must be None, an int or an int32 tensor, got {type(cache_seqlens).__name__}")
+        if not 0 <= cache_seqlens <= capacity:
+            raise ValueError(f"cache_seqlens={cache_seqlens}: must be in [0, {capacity}] (the cache's capacity)")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits={num_splits!r}: must be an int in [0, {MAX_SPLITS}] (0: chosen from the shapes)")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+        if t is not None and t.stride(-1) != 1:
+            raise ValueError(f"{name}'s last dimension must be contiguous (stride 1), got stride {t.stride(-1)}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not _is_aligned(t):
+            raise ValueError(
+                f"{name} must have 16-byte aligned rows (its address and strides multiples of 16 bytes): it is "
+                f"written in place, so flashgen cannot copy it; got strides {t.stride()}"
+            )
+    if batch > MAX_GRID_YZ or kv_heads > MAX_GRID_YZ:
+        raise ValueError(f"batch={batch}, heads_kv={kv_heads}: at most {MAX_GRID_YZ} of each (the grid's limits)")
+    tensors = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("block_table", block_table)]
+    if isinstance(cache_seqlens, torch.Tensor):
+        tensors.append(("cache_seqlens", cache_seqlens))
+    devices = {name: t.device for name, t in tensors if t is not None}
+    if len(set(devices.values())) > 1:
+        raise ValueError("the tensors must be on one device; got " + ", ".join(f"{n} {d}" for n, d in devices.items()))
+    if q.device.type != "cuda":
+        why = "" if torch.cuda.is_available() else " (and PyTorch sees no CUDA GPU on this machine)"
+        raise ValueError(f"flashgen.attention_with_kvcache runs on NVIDIA GPUs: the tensors are on {q.device}{why}")
+    return paged, capacity, seqlen_new
+
+
+def attention_with_kvcache(
+    q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, block_table=None, softmax_scale=None,
+    causal: bool = False, num_splits: int = 0, return_softmax_lse: bool = False,
+):
+    """Attention of q over a KV cache, appending new keys and values first: FlashAttention's
+    `flash_attn_with_kvcache` (same names, layouts and semantics), for decoding and chunked prefill.
+
+    q: (batch, seqlen_q, heads, head_dim), float16 or bfloat16, head_dim a multiple of 8 up to 256.
+    k_cache, v_cache: (batch, seqlen_cache, heads_kv, head_dim), or paged (num_blocks, page_size,
+    heads_kv, head_dim) with block_table (batch, max_blocks) int32 naming each sequence's pages in
+    order; page_size a multiple of 16 from 16 to 256. heads is a multiple of heads_kv (GQA/MQA:
+    the query heads of a KV head are computed together, so each K/V byte is read once).
+    cache_seqlens: the tokens each sequence holds in the cache, an int or an int32 (batch,) tensor;
+    None means the whole cache (seqlen_cache, or max_blocks * page_size).
+    k, v: optional (batch, seqlen_new, heads_kv, head_dim), written into the caches in place at
+    positions cache_seqlens[b] .. + seqlen_new, then attended to with the cache (cache_seqlens is not
+    updated: the caller adds seqlen_new, as with FlashAttention).
+    causal: aligned bottom-right to each sequence's length n after the append: query i sees key j
+    iff j <= n - seqlen_q + i (seqlen_q > 1 serves chunked prefill and speculative decoding).
+    softmax_scale defaults to 1/sqrt(head_dim). num_splits: how many blocks split each sequence's
+    keys (split-KV); 0 chooses from the shapes and the GPU, never from the lengths, so one captured
+    CUDA graph serves every length. return_softmax_lse: also return lse (batch, heads, seqlen_q)
+    fp32, natural log (-inf for a query that sees no key, whose output is 0).
+
+    Out-of-range lengths and pages never make a kernel read or write outside the caches: a length
+    in cache_seqlens is clamped to [0, capacity] (capacity = seqlen_cache, or max_blocks *
+    page_size); new tokens at positions past the capacity are attended to but not stored; a
+    block-table entry outside [0, num_blocks) reads as zero keys and values and is never written.
+    (flashgen.reference.attention_with_kvcache computes exactly this.) Pages shared by sequences
+    must not be appended to.
+
+    Returns out (batch, seqlen_q, heads, head_dim), and lse with return_softmax_lse.
+    """
+    paged, capacity, seqlen_new = check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits)
+    batch, seqlen_q, heads, head_dim = q.shape
+    scale = _scale(softmax_scale, head_dim)
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device) if return_softmax_lse else None
+    if o.numel() == 0:
+        return (o, lse) if return_softmax_lse else o
+    device = q.get_device()
+    plan, splits = plans.decode(device, head_dim, q.dtype, paged, seqlen_q * (heads // k_cache.shape[2]), batch,
+                                k_cache.shape[2], capacity + seqlen_new, num_splits)
+    plan.run(device, launch_values(q, k_cache, v_cache, k, v, cache_seqlens, block_table, capacity, seqlen_new, o, lse,
+                                   splits, causal, scale))
+    return (o, lse) if return_softmax_lse else o
+
+
+def launch_values(q, k_cache, v_cache, k, v, cache_seqlens, block_table, capacity, seqlen_new, o, lse, splits, causal,
+                  scale) -> dict:
+    """What the decode plan's kernels take (families.decode.DecodeAttention.arguments): the
+    tensors (copied where their rows are not 16-byte aligned; never the caches), and the sizes read
+    once here."""
+    batch, seqlen_q, heads, _ = q.shape
+    if k is not None:
+        k, v = _aligned(k), _aligned(v)
+    lengths = isinstance(cache_seqlens, torch.Tensor)
+    values = {
+        "q": _aligned(q), "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v,
+        "k_strides": NO_STRIDES if k is None else k.stride(), "v_strides": NO_STRIDES if v is None else v.stride(),
+        "cache_seqlens": cache_seqlens if lengths else None, "cache_seqlens_stride": cache_seqlens.stride(0) if lengths else 0,
+        "cache_len": capacity if cache_seqlens is None or lengths else cache_seqlens, "capacity": capacity,
+        "block_table": block_table, "o": o, "lse": lse, "partials": None,  # the scratch of a split plan replaces None
+        "batch": batch, "seqlen_q": seqlen_q, "heads": heads, "kv_heads": k_cache.shape[2], "seqlen_new": seqlen_new,
+        "splits": splits, "causal": bool(causal), "scale": scale,
+    }
+    if block_table is not None:
+        page_size = k_cache.shape[1]
+        if block_table.stride(-1) != 1:
+            values["block_table"] = block_table.contiguous()
+        values.update(num_pages=k_cache.shape[0], page_size=page_size, page_divisor=fast_divisor(page_size))
+    return values
+
+
+def _states(o_a, lse_a, o_b, lse_b):
+    """Check two attention states and bring them to one layout: o (..., d) of one float dtype with
+    16-byte rows, lse (...) fp32 of o.shape[:-1] with any strides."""
+    for name, t in (("o_a", o_a), ("lse_a", lse_a), ("o_b", o_b), ("lse_b", lse_b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if o_a.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"o_a has dtype {o_a.dtype}; merge_attention_states takes float16, bfloat16 or float32 outputs")
+    if o_b.dtype != o_a.dtype:
+        raise TypeError(f"o_a and o_b must share one dtype; got {o_a.dtype} and {o_b.dtype}")
+    for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name} must have dtype torch.float32, got {t.dtype}")
+    if o_a.dim() < 1 or o_b.shape != o_a.shape:
+        raise ValueError(f"o_a and o_b must have one shape (..., head_dim); got {tuple(o_a.shape)} and {tuple(o_b.shape)}")
+    for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if t.shape != o_a.shape[:-1]:
+            raise ValueError(
+                f"{name} must have shape o.shape[:-1] = {tuple(o_a.shape[:-1])} (a (batch, heads, seqlen) lse of "
+                f"(batch, seqlen, heads, d) outputs is passed as lse.transpose(1, 2)); got {tuple(t.shape)}"
+            )
+    head_dim = o_a.shape[-1]
+    if head_dim % 8 or not 8 <= head_dim <= 256:
+        raise ValueError(f"head_dim={head_dim} (o's last dimension) is not supported: it must be {HEAD_DIM_RULE}")
+    devices = {t.device for t in (o_a, lse_a, o_b, lse_b)}
+    if len(devices) > 1:
+        raise ValueError(f"o_a, lse_a, o_b, lse_b must be on one device; got {', '.join(str(d) for d in devices)}")
+    if o_a.device.type != "cuda":
+        why = "" if torch.cuda.is_available() else " (and PyTorch sees no CUDA GPU on this machine)"
+        raise ValueError(f"flashgen.merge_attention_states runs on NVIDIA GPUs: the tensors are on {o_a.device}{why}")
+    # The kernel reads (x, y, z) rows: at most three leading dimensions, stepped by strides.
+    lead = o_a.shape[:-1]
+    if lead.numel() > MAX_KEYS:
+        raise ValueError(f"o_a has {lead.numel()} rows: at most {MAX_KEYS}")
+    if len(lead) != 3:
+        shape3 = (*(1,) * (3 - len(lead)), *lead) if len(lead) < 3 else (-1, *lead[-2:])
+        o_a, o_b = o_a.reshape(*shape3, head_dim), o_b.reshape(*shape3, head_dim)
+        lse_a, lse_b = lse_a.reshape(o_a.shape[:-1]), lse_b.reshape(o_a.shape[:-1])
+    # Both states are read as one (2, ...) tensor whose first stride is the distance between them.
+    if o_a.stride() != o_b.stride() or not (_is_aligned(o_a) and _is_aligned(o_b)):
+        o_a, o_b = o_a.contiguous(), o_b.contiguous()
+        if not (_is_aligned(o_a) and _is_aligned(o_b)):
+            o_a, o_b = o_a.clone(), o_b.clone()
+    if lse_a.stride() != lse_b.stride():
+        lse_a, lse_b = lse_a.contiguous(), lse_b.contiguous()
+    return o_a, lse_a, o_b, lse_b, lead
+
+
+def merge_attention_states(o_a, lse_a, o_b, lse_b):
+    """Merge two attention states of the same queries over disjoint sets of keys (split-KV,
+    context parallelism, a cached prefix and a new suffix): lse = log(exp(lse_a) + exp(lse_b)) and
+    o = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b, computed in fp32 by the combine kernel family.
+
+    o_a, o_b: (..., head_dim) float16, bfloat16 or float32, normalized outputs; lse_a, lse_b:
+    o.shape[:-1] fp32 log-sum-exps in natural log (FlashInfer's convention; any strides, so a
+    FlashAttention (batch, heads, seqlen) lse of (batch, seqlen, heads, d) outputs is passed as
+    lse.transpose(1, 2)). A state with lse = -inf holds nothing: both -inf give o = 0, lse = -inf.
+    Returns (o, lse): o of o_a's dtype and shape, lse fp32 of o.shape[:-1], both contiguous.
+    """
+    o_a, lse_a, o_b, lse_b, lead = _states(o_a, lse_a, o_b, lse_b)
+    o = torch.empty(o_a.shape, dtype=o_a.dtype, device=o_a.device)
+    lse = torch.empty(o_a.shape[:-1], dtype=torch.float32, device=o_a.device)
+    if o.numel():
+        device = o.get_device()
+        plans.merge(device, o.shape[-1], o.dtype).run(
+            device, {"o_a": o_a, "lse_a": lse_a, "o_b": o_b, "lse_b": lse_b, "o": o, "lse": lse}
+        )
+    return o.view(*lead, o.shape[-1]), lse.view(lead)

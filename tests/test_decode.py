@@ -1,0 +1,527 @@
+"""The serving functions without a GPU: decode and merge specs, the split count, the page-size
+division, the oracle against attention written out key by key, the launch plans (stubbed driver),
+and the named input errors (CPU tensors: every check runs before the device check)."""
+
+import math
+import random
+import re
+
+import pytest
+import torch
+from test_launch import StubDriver, driver, stub_kernels, unpack  # noqa: F401  (fixtures)
+
+import flashgen
+from flashgen import plans, reference, serving, tuning
+from flashgen.families.decode import MAX_SPLITS, PAGE_SIZES, fast_divisor
+from flashgen.spec import KernelSpec, SpecError
+
+BF16, FP16 = torch.bfloat16, torch.float16
+
+
+# ---- specs ---------------------------------------------------------------------------------------
+
+
+def test_decode_spec_names_its_fields_and_layout():
+    spec = KernelSpec(head_dim=128, block_m=16, block_n=64, num_warps=4, num_stages=3, kind="decode_paged")
+    assert spec.name == "decode_paged_d128_m16_n64_bf16_w4_s3_sm90a"
+    row = (128 + 8) * 2
+    layout = spec.family.smem(spec)
+    assert layout.offsets == {"q": 0, "kv": 16 * row, "reduce": 0}
+    assert spec.smem_bytes == 16 * row + 3 * 2 * 64 * row
+    assert spec.family.warps_n(spec) == 4  # the 4 warps share the 16 rows and split each key tile
+    assert KernelSpec(head_dim=64, kind="merge_fp32").name == "merge_fp32_d64_sm90a"
+    assert KernelSpec(head_dim=64, kind="combine", dtype="fp16").name == "combine_d64_fp16_sm90a"
+
+
+BAD = [
+    (dict(block_m=32, num_warps=4, block_n=64), None),  # valid: 2 warps along rows, 2 along keys
+    (dict(block_m=48, num_warps=4), "block_m=48 with num_warps=4"),
+    (dict(block_m=16, num_warps=4, block_n=32), "each needs a multiple of 16 keys"),
+    (dict(block_m=16, num_warps=3), "num_warps=3"),
+    (dict(block_m=16, num_stages=9), "num_stages=9"),
+    (dict(block_m=16, block_n=64, causal=True), "causal=True: a decode kernel does not use causal"),
+    (dict(block_m=64, num_warps=4, block_n=256, head_dim=256), "would hold 256 fp32 accumulators"),
+]
+
+
+@pytest.mark.parametrize("fields, message", BAD, ids=[m or "valid" for _, m in BAD])
+def test_decode_spec_validation_names_the_field(fields, message):
+    fields = {"head_dim": 128, "block_n": 64, "num_stages": 2, "kind": "decode", **fields}
+    if message is None:
+        KernelSpec(**fields)
+    else:
+        with pytest.raises(SpecError, match=re.escape(message)):
+            KernelSpec(**fields)
+
+
+def test_merge_fp32_takes_no_dtype():
+    with pytest.raises(SpecError, match="dtype='fp16': a merge_fp32 kernel does not use dtype"):
+        KernelSpec(head_dim=64, kind="merge_fp32", dtype="fp16")
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80", "sm_86"])
+def test_every_serving_kind_has_a_spec_for_every_head_dim(arch):
+    specs = tuning.serving_specs(arch)
+    assert {s.kind for s in specs} == set(tuning.DECODE_KINDS + tuning.MERGE_KINDS)
+    assert {s.head_dim for s in specs} == set(tuning.TEST_HEAD_DIMS)
+    for rows, block_m in [(1, 16), (16, 16), (17, 64), (4 * 5, 64), (128, 64)]:
+        assert tuning.decode_spec(128, "bf16", arch, True, rows).block_m == block_m
+    assert tuning.tuned_spec("decode_paged", 96, "fp16", True, arch).kind == "decode_paged"  # causal is not a field
+
+
+@pytest.mark.parametrize("spec", [tuning.decode_spec(128, "bf16", "sm_90a", True, 1), tuning.decode_spec(80, "fp16", "sm_80", False, 40),
+                                  tuning.merge_spec("combine", 256, "bf16", "sm_90a"), tuning.merge_spec("merge_fp32", 64, "bf16", "sm_80")],
+                         ids=lambda spec: spec.name)
+def test_serving_kernels_hold_their_instructions(spec):
+    """What NVRTC emits (PTX): the decode streams K and V with 16-byte cp.async and multiplies with
+    mma.sync; nothing goes through local memory."""
+    from flashgen.compile import compile_ptx
+    from flashgen.render import render
+
+    ptx = compile_ptx(spec, render(spec)).decode()
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    if spec.kind.startswith("decode"):
+        for instruction in ("cp.async.cg.shared.global.L2::128B", "cp.async.wait_group", "mma.sync.aligned.m16n8k16.row.col.f32",
+                            "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "mul.hi.u32" if "paged" in spec.kind else "ld.global"):
+            assert instruction in ptx, instruction
+    else:
+        assert "shfl.sync.bfly" in ptx and "ex2.approx" in ptx
+
+
+def test_occupancy_counts_shared_memory_and_threads():
+    small = KernelSpec(head_dim=64, block_m=16, block_n=64, num_stages=2, kind="decode")
+    big = KernelSpec(head_dim=256, block_m=16, block_n=64, num_stages=3, kind="decode")
+    assert big.family.blocks_per_sm(big) == 1 and big.smem_bytes > 113 * 1024
+    assert small.family.blocks_per_sm(small) == (227 * 1024 + 1024) // (small.smem_bytes + 1024)
+
+
+# ---- the page-size division and the split count -----------------------------------------------
+
+
+@pytest.mark.parametrize("divisor", [1, 2, 3, 7, *PAGE_SIZES, 1000, 2**20 + 1, 2**31 - 1])
+def test_fast_divisor_divides_every_position(divisor):
+    """(umulhi(n, magic) + n) >> shift, in the kernel's 32-bit arithmetic, is n // divisor."""
+    magic, shift = fast_divisor(divisor)
+    assert 0 < magic < 2**32 and 0 <= shift <= 31
+    numbers = list(range(0, 5000)) + [2**31 - 1 - i for i in range(2000)]
+    numbers += [divisor * m + r for m in (1, 2, 1000, 2**31 // divisor - 1) for r in (-1, 0, 1) if 0 <= divisor * m + r < 2**31]
+    numbers += random.Random(divisor).sample(range(2**31), 5000)
+    for n in numbers:
+        high = (n * magic) >> 32
+        total = high + n
+        assert total < 2**32  # no 32-bit overflow
+        assert total >> shift == n // divisor, n
+
+
+H200_SLOTS = 132 * 2
+
+
+def test_num_splits_leaves_a_full_gpu_alone():
+    assert plans.num_splits(blocks=264, key_tiles=2048, slots=H200_SLOTS) == 1
+    assert plans.num_splits(blocks=int(0.8 * H200_SLOTS) + 1, key_tiles=2048, slots=H200_SLOTS) == 1
+    assert plans.num_splits(blocks=8, key_tiles=3, slots=H200_SLOTS) == 1  # too few tiles to share
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 3, 8, 13, 32, 64, 100, 150, 211])
+@pytest.mark.parametrize("key_tiles", [1, 2, 16, 128, 1024, 2048])
+@pytest.mark.parametrize("slots", [132, 264, 108])
+def test_num_splits_fills_the_gpu_within_its_limits(blocks, key_tiles, slots):
+    splits = plans.num_splits(blocks, key_tiles, slots)
+    assert 1 <= splits <= MAX_SPLITS
+    assert splits == 1 or splits <= key_tiles // plans.MIN_SPLIT_TILES  # every split gets tiles to stream
+    if blocks >= plans.FULL * slots:
+        assert splits == 1
+    limit = max(1, min(MAX_SPLITS, key_tiles // plans.MIN_SPLIT_TILES))
+
+    def fill(s):
+        return blocks * s / (math.ceil(blocks * s / slots) * slots)
+
+    if splits > 1:  # nearly the best wave fill of any allowed count, and no fewer splits get there
+        best = max(fill(s) for s in range(1, limit + 1))
+        assert fill(splits) >= plans.GOOD_ENOUGH * best
+        assert all(fill(s) < plans.GOOD_ENOUGH * best for s in range(1, splits))
+
+
+def test_num_splits_for_the_issue_shapes():
+    """B = 1 or 8 with 8 KV heads on an H200 (132 SMs, two blocks each): one wave of blocks."""
+    for key_tiles in (128, 1024):  # an 8k and a 64k cache in 64-key tiles
+        splits = plans.num_splits(8, key_tiles, H200_SLOTS)
+        assert 8 * splits <= H200_SLOTS and 8 * splits >= 0.95 * H200_SLOTS
+    assert plans.num_splits(8, 16, H200_SLOTS) == 8  # a 1k cache: as many splits as have 2 tiles
+    assert plans.num_splits(64, 2048, H200_SLOTS) == 4  # B = 8 at 128k: 256 of 264 slots
+
+
+# ---- the oracle --------------------------------------------------------------------------------
+
+
+def written_out(q, keys, values, causal, scale):
+    """Attention of one sequence, query by query and key by key in float64: q (Tq, H, d), keys and
+    values (n, H_kv, d); returns o (Tq, H, d) and lse (H, Tq)."""
+    seqlen_q, heads, _ = q.shape
+    n, kv_heads, _ = keys.shape
+    o = torch.zeros(q.shape, dtype=torch.float64)
+    lse = torch.full((heads, seqlen_q), -math.inf, dtype=torch.float64)
+    for h in range(heads):
+        g = h // (heads // kv_heads)
+        for i in range(seqlen_q):
+            seen = [j for j in range(n) if not causal or j <= n - seqlen_q + i]
+            if not seen:
+                continue
+            scores = torch.stack([(q[i, h].double() * keys[j, g].double()).sum() * scale for j in seen])
+            lse[h, i] = torch.logsumexp(scores, 0)
+            weights = torch.exp(scores - lse[h, i])
+            o[i, h] = sum(w * values[j, g].double() for w, j in zip(weights, seen))
+    return o, lse
+
+
+def random_cache(batch, seqlen_q, heads, kv_heads, d, capacity, new, page_size=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, seqlen_q, heads, d, generator=gen)
+    k = v = None
+    if new:
+        k, v = (torch.randn(batch, new, kv_heads, d, generator=gen) for _ in range(2))
+    if page_size is None:
+        caches = [torch.randn(batch, capacity, kv_heads, d, generator=gen) for _ in range(2)]
+        return q, caches, k, v, None
+    per_seq = -(-capacity // page_size)
+    pages = batch * per_seq + 3  # spare pages nobody uses
+    table = torch.randperm(pages, generator=gen)[: batch * per_seq].view(batch, per_seq).to(torch.int32)
+    caches = [torch.randn(pages, page_size, kv_heads, d, generator=gen) for _ in range(2)]
+    return q, caches, k, v, table
+
+
+def sequence_rows(cache, b, n, table):
+    if table is None:
+        return cache[b, :n]
+    page_size = cache.shape[1]
+    return torch.stack([cache[table[b, p // page_size], p % page_size] for p in range(n)]) if n else cache[0, :0]
+
+
+CASES = [
+    # batch, seqlen_q, heads, kv_heads, d, capacity, new, page_size, lengths, causal
+    (3, 1, 4, 4, 16, 40, 0, None, [1, 17, 40], False),
+    (2, 1, 8, 2, 24, 64, 1, None, [0, 63], True),  # GQA 4:1, append one token
+    (2, 5, 8, 2, 16, 50, 5, None, [7, 30], True),  # speculative decoding: 5 new tokens, causal
+    (3, 3, 4, 1, 8, 48, 2, 16, [5, 16, 33], True),  # MQA, paged, seqlen_q != seqlen_new
+    (2, 1, 6, 3, 16, 70, 1, 32, [31, 64], False),  # paged, a partial last page
+    (1, 4, 2, 2, 8, 20, 0, None, [20], True),  # chunked prefill over a full cache, no append
+]
+
+
+@pytest.mark.parametrize("splits", [0, 1, 3, 40])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_reference_matches_attention_written_out(case, splits):
+    batch, seqlen_q, heads, kv_heads, d, capacity, new, page_size, lengths, causal = case
+    q, (k_cache, v_cache), k, v, table = random_cache(batch, seqlen_q, heads, kv_heads, d, capacity, new, page_size, seed=sum(lengths))
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    cache_seqlens = torch.tensor(lengths, dtype=torch.int32)
+    out, lse = reference.attention_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=table, softmax_scale=0.3, causal=causal,
+        num_splits=splits, return_softmax_lse=True,
+    )
+    assert out.shape == q.shape and lse.shape == (batch, heads, seqlen_q) and lse.dtype == torch.float32
+    for b, n in enumerate(lengths):
+        keys, values = sequence_rows(before_k, b, n, table), sequence_rows(before_v, b, n, table)
+        if new:
+            keys, values = torch.cat([keys, k[b]]), torch.cat([values, v[b]])
+        o, l = written_out(q[b], keys, values, causal, 0.3)
+        torch.testing.assert_close(out[b].double(), o, atol=1e-5, rtol=0)
+        assert torch.equal(lse[b].isinf(), l.isinf())
+        torch.testing.assert_close(lse[b].double()[l.isfinite()], l[l.isfinite()], atol=1e-5, rtol=0)
+        if new:  # appended in place at the sequence's length
+            assert torch.equal(sequence_rows(k_cache, b, n + new, table)[n:], k[b])
+            assert torch.equal(sequence_rows(v_cache, b, n + new, table)[n:], v[b])
+    if new:  # nothing else changed
+        changed = (k_cache != before_k).any(-1).any(-1)
+        assert changed.sum() <= batch * new
+
+
+def test_reference_cache_seqlens_as_int_and_none():
+    q, (k_cache, v_cache), _, _, _ = random_cache(2, 1, 4, 2, 16, 30, 0)
+    whole = reference.attention_with_kvcache(q, k_cache, v_cache)
+    as_int = reference.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=30)
+    as_tensor = reference.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor([30, 30], dtype=torch.int32))
+    assert torch.equal(whole, as_int) and torch.equal(whole, as_tensor)
+
+
+def test_reference_rules_for_bad_lengths_and_pages():
+    """A length past the capacity is the capacity, a negative one 0; new tokens past the capacity
+    are attended to but not stored; an entry outside [0, num_pages) reads as zeros and takes no
+    writes."""
+    q, (k_cache, v_cache), k, v, table = random_cache(3, 1, 2, 2, 8, 32, 2, page_size=16, seed=5)
+    table[2, 0] = -7  # sequence 2's first page does not exist
+    table[2, 1] = 1000
+    before = k_cache.clone()
+    lengths = torch.tensor([31, 999, -5], dtype=torch.int32)
+    out = reference.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, block_table=table)
+    rows0 = sequence_rows(before, 0, 32, table)
+    expected0, _ = written_out(q[0], torch.cat([rows0[:31], k[0]]), torch.cat([sequence_rows(v_cache, 0, 31, table), v[0]]), False, 8**-0.5)
+    torch.testing.assert_close(out[0].double(), expected0, atol=1e-5, rtol=0)
+    assert torch.equal(sequence_rows(k_cache, 0, 32, table)[31], k[0, 0])  # position 32 is past the capacity: dropped
+    # sequence 1 is full (clamped to 32): its new tokens are seen and stored nowhere
+    assert torch.equal(sequence_rows(k_cache, 1, 32, table), sequence_rows(before, 1, 32, table))
+    # sequence 2 starts at 0; its pages are invalid, so its new tokens go nowhere
+    expected2, _ = written_out(q[2], k[2], v[2], False, 8**-0.5)
+    torch.testing.assert_close(out[2].double(), expected2, atol=1e-5, rtol=0)
+    untouched = [p for p in range(k_cache.shape[0]) if p not in table[:2].flatten().tolist()]
+    assert torch.equal(k_cache[untouched], before[untouched])
+    # reads through a bad page are zeros: a length of 20 with no valid page sees 20 zero keys
+    zeros = reference.attention_with_kvcache(q[2:], k_cache, v_cache, cache_seqlens=20, block_table=table[2:])
+    assert torch.equal(zeros, torch.zeros_like(zeros))  # zero values, whatever the weights
+
+
+def test_reference_merge():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 3, 5, 16, generator=gen), torch.randn(2, 3, 40, 16, generator=gen), torch.randn(2, 3, 40, 16, generator=gen)
+    whole, lse = reference.naive_attention(q, k, v)
+    a, lse_a = reference.naive_attention(q, k[:, :, :13], v[:, :, :13])
+    b, lse_b = reference.naive_attention(q, k[:, :, 13:], v[:, :, 13:])
+    o, merged = reference.merge_attention_states(a, lse_a, b, lse_b)
+    torch.testing.assert_close(o, whole, atol=1e-6, rtol=0)
+    torch.testing.assert_close(merged, lse, atol=1e-6, rtol=0)
+    empty = torch.full_like(lse_a, -math.inf)
+    o, merged = reference.merge_attention_states(a, lse_a, torch.full_like(b, float("nan")) * 0 + 7, empty)
+    torch.testing.assert_close(o, a)
+    torch.testing.assert_close(merged, lse_a)
+    o, merged = reference.merge_attention_states(a, empty, b, empty)
+    assert torch.equal(o, torch.zeros_like(o)) and torch.isneginf(merged).all()
+
+
+def test_reference_low_precision_differs_a_little():
+    q, (k_cache, v_cache), k, v, _ = random_cache(2, 1, 4, 2, 32, 100, 1)
+    q, k_cache, v_cache, k, v = (t.to(BF16) for t in (q, k_cache, v_cache, k, v))
+    ref = reference.attention_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v, cache_seqlens=50)
+    low = reference.attention_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v, cache_seqlens=50, upcast=False)
+    assert ref.dtype == low.dtype == BF16
+    assert 0 < (ref.float() - low.float()).abs().max() < 0.05
+
+
+# ---- the launch plans (stubbed driver, stubbed kernels) ----------------------------------------
+
+
+@pytest.fixture
+def cpu_device(monkeypatch):
+    """Device -1 (what CPU tensors report) looks like an H200 to the plans."""
+    monkeypatch.setitem(plans._arch, -1, "sm_90a")
+    monkeypatch.setitem(plans._sm_counts, -1, 132)
+
+
+def decode_values(batch=2, seqlen_q=1, heads=8, kv_heads=2, d=128, pages=100, page_size=16, new=1, splits=1, lse=True):
+    """attention_with_kvcache's launch values for CPU tensors (paged, a 40-page table)."""
+    q = torch.zeros(batch, seqlen_q, heads, d, dtype=BF16)
+    k_cache = torch.zeros(pages, page_size, kv_heads, d, dtype=BF16)
+    k = torch.zeros(batch, new, kv_heads, d, dtype=BF16)
+    lse = torch.empty(batch, heads, seqlen_q) if lse else None
+    return serving.launch_values(q, k_cache, torch.zeros_like(k_cache), k, torch.zeros_like(k), torch.zeros(batch, dtype=torch.int32),
+                                 torch.zeros(batch, 40, dtype=torch.int32), 40 * page_size, new, torch.empty_like(q), lse, splits,
+                                 True, 0.125)
+
+
+def test_split_decode_plan_wires_the_combine_through_scratch(driver, stub_kernels, cpu_device):
+    plan, splits = plans.decode(-1, 128, BF16, True, 4, 2, 2, 640 + 1)
+    assert splits > 1 and [k.spec.kind for k in plan.kernels] == ["decode_paged", "combine"]
+    values = decode_values(splits=splits)
+    plan.run(-1, values)
+    decode, combine = driver.launches
+    partials = values["partials"]
+    assert partials.shape == (splits * 2 * 8 * 1 * (128 + 1),) and partials.dtype == torch.float32
+    assert decode["grid"] == (splits, 2, 2) and decode["block"] == (128, 1, 1)
+    got = unpack(plan.kernels[0].spec, decode["params"])
+    assert got["partials"] == partials.data_ptr() and got["splits"] == splits and got["lse"] == values["lse"].data_ptr()
+    assert got["k_new"] == values["k"].data_ptr() and got["seqlen_new"] == 1 and got["kv_group"] == 4
+    assert (got["k_new_batch"], got["k_new_row"], got["k_new_head"]) == values["k"].stride()[:3]
+    assert got["capacity"] == 40 * 16 and got["page_size"] == 16 and got["num_pages"] == 100
+    assert (got["page_magic"], got["page_shift"]) == fast_divisor(16) and got["causal"] == 1
+    assert got["cache_seqlens"] == values["cache_seqlens"].data_ptr() and got["block_table_batch"] == 40
+    assert got["k_cache_page"] == 16 * 2 * 128 and got["k_cache_row"] == 2 * 128 and got["k_cache_head"] == 128
+    rows = unpack(plan.kernels[1].spec, combine["params"])
+    assert combine["grid"] == (2 * 8, 1, 1) and combine["block"] == (256, 1, 1)  # 8 warps per (batch, head, query) row
+    assert rows["parts"] == partials.data_ptr() and rows["parts_split"] == 2 * 8 * 128 and rows["splits"] == splits
+    assert rows["parts_lse"] == partials.data_ptr() + 4 * splits * 2 * 8 * 128  # the log-sum-exps follow the outputs
+    assert (rows["parts_lse_split"], rows["parts_lse_x"], rows["parts_lse_y"], rows["parts_lse_z"]) == (16, 8, 1, 1)
+    o = values["o"]  # (batch, seqlen_q, heads, d) read as rows (batch, heads, seqlen_q)
+    assert (rows["out_x"], rows["out_y"], rows["out_z"]) == (o.stride(0), o.stride(2), o.stride(1))
+    assert rows["out_lse"] == values["lse"].data_ptr() and (rows["size_y"], rows["size_z"], rows["rows"]) == (8, 1, 16)
+
+
+def test_unsplit_decode_writes_o_directly(driver, stub_kernels, cpu_device):
+    plan, splits = plans.decode(-1, 128, BF16, True, 4, 64, 8, 641)
+    assert splits == 1 and len(plan.kernels) == 1 and not plan.scratch  # 512 blocks fill the GPU
+    values = decode_values(batch=64, kv_heads=8, heads=32, lse=False)
+    plan.run(-1, values)
+    (launch,) = driver.launches
+    got = unpack(plan.kernels[0].spec, launch["params"])
+    assert got["o"] == values["o"].data_ptr() and got["lse"] == 0 and got["partials"] == 0
+    assert launch["grid"] == (1, 8, 64)
+
+
+def test_forced_splits_and_contiguous_cache_without_append(driver, stub_kernels, cpu_device):
+    q = torch.zeros(3, 5, 4, 64, dtype=FP16)
+    cache = torch.zeros(3, 1000, 1, 64, dtype=FP16)
+    plan, splits = plans.decode(-1, 64, FP16, False, 20, 3, 1, 1000, splits=7)
+    assert splits == 7 and plan.kernels[0].spec.block_m == 64  # 20 packed rows: one 64-row block
+    values = serving.launch_values(q, cache, cache, None, None, 700, None, 1000, 0, torch.empty_like(q), None, 7, False, 1.0)
+    plan.run(-1, values)
+    got = unpack(plan.kernels[0].spec, driver.launches[0]["params"])
+    assert got["k_new"] == 0 and got["seqlen_new"] == 0 and got["cache_seqlens"] == 0 and got["cache_len"] == 700
+    assert got["capacity"] == 1000 and got["k_cache_batch"] == 1000 * 64 and driver.launches[0]["grid"] == (7, 1, 3)
+
+
+def test_merge_reads_both_states_as_one_tensor(driver, stub_kernels, cpu_device):
+    o_a, o_b = torch.zeros(2, 7, 3, 64), torch.zeros(2, 7, 3, 64)
+    lse_a, lse_b = torch.zeros(2, 3, 7).transpose(1, 2), torch.zeros(2, 3, 7).transpose(1, 2)  # FlashAttention's lse, transposed
+    o, lse = torch.empty_like(o_a), torch.empty(2, 7, 3)
+    plan = plans.merge(-1, 64, torch.float32)
+    assert plan.kernels[0].spec.kind == "merge_fp32"
+    plan.run(-1, {"o_a": o_a, "lse_a": lse_a, "o_b": o_b, "lse_b": lse_b, "o": o, "lse": lse})
+    got = unpack(plan.kernels[0].spec, driver.launches[0]["params"])
+    assert got["parts_split"] * 4 == o_b.data_ptr() - o_a.data_ptr() and got["splits"] == 2
+    assert got["parts_lse_split"] * 4 == lse_b.data_ptr() - lse_a.data_ptr()
+    assert (got["parts_lse_x"], got["parts_lse_y"], got["parts_lse_z"]) == lse_a.stride()
+    assert (got["size_y"], got["size_z"], got["rows"]) == (7, 3, 42) and driver.launches[0]["grid"] == (-(-42 // 4), 1, 1)
+
+
+# ---- input errors ------------------------------------------------------------------------------
+
+
+def t(*shape, dtype=BF16, device="cpu"):
+    return torch.zeros(*shape, dtype=dtype, device=device)
+
+
+def inputs(paged=False, **changes):
+    """A valid call's arguments (on the CPU): B=2, 1 query token, 8 heads on 2 KV heads, d=64."""
+    args = {
+        "q": t(2, 1, 8, 64), "k_cache": t(2, 100, 2, 64), "v_cache": t(2, 100, 2, 64), "k": t(2, 1, 2, 64),
+        "v": t(2, 1, 2, 64), "cache_seqlens": torch.tensor([3, 5], dtype=torch.int32), "block_table": None,
+    }
+    if paged:
+        args.update(k_cache=t(30, 16, 2, 64), v_cache=t(30, 16, 2, 64), block_table=torch.zeros(2, 7, dtype=torch.int32))
+    args.update(changes)
+    return args
+
+
+def kvcache_error(error, match, paged=False, **changes):
+    args = inputs(paged, **changes)
+    keywords = {name: args.pop(name) for name in ("cache_seqlens", "block_table")}
+    keywords.update({name: args.pop(name) for name in ("softmax_scale", "num_splits") if name in args})
+    with pytest.raises(error, match=match):
+        flashgen.attention_with_kvcache(*args.values(), **keywords)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_a_valid_call_reaches_the_device_check(paged):
+    kvcache_error(ValueError, "attention_with_kvcache runs on NVIDIA GPUs: the tensors are on cpu", paged)
+
+
+ERRORS = [
+    (TypeError, "q must be a torch.Tensor, got list", dict(q=[1.0])),
+    (ValueError, r"q must have 4 dimensions \(batch, seqlen_q, heads, head_dim\)", dict(q=t(2, 8, 64))),
+    (ValueError, r"k_cache must have 4 dimensions \(batch, seqlen_cache, heads_kv, head_dim\)", dict(k_cache=t(2, 100, 128))),
+    (TypeError, "q has dtype torch.float32", dict(q=t(2, 1, 8, 64, dtype=torch.float32))),
+    (TypeError, "v_cache has dtype torch.float16; it must have q's dtype", dict(v_cache=t(2, 100, 2, 64, dtype=FP16))),
+    (ValueError, "k_cache and v_cache must have one shape", dict(v_cache=t(2, 99, 2, 64))),
+    (ValueError, "same head_dim; got q 64, k_cache 32", dict(k_cache=t(2, 100, 2, 32), v_cache=t(2, 100, 2, 32))),
+    (ValueError, r"head_dim=100 is not supported", dict(q=t(2, 1, 8, 100), k_cache=t(2, 100, 2, 100), v_cache=t(2, 100, 2, 100),
+                                                     k=t(2, 1, 2, 100), v=t(2, 1, 2, 100))),
+    (ValueError, "q has 8 heads and the caches 3: .* multiple", dict(k_cache=t(2, 100, 3, 64), v_cache=t(2, 100, 3, 64))),
+    (ValueError, "k and v are appended together: got k a tensor and v None", dict(v=None)),
+    (ValueError, "k and v are appended together: got k None and v a tensor", dict(k=None)),
+    (TypeError, "k has dtype torch.float16", dict(k=t(2, 1, 2, 64, dtype=FP16))),
+    (ValueError, "k and v must have one shape", dict(v=t(2, 2, 2, 64))),
+    (ValueError, r"k and v must be \(batch, seqlen_new, heads_kv, head_dim\) = \(2, seqlen_new, 2, 64\)", dict(k=t(2, 1, 8, 64), v=t(2, 1, 8, 64))),
+    (ValueError, "k and v are appended at cache_seqlens: pass cache_seqlens", dict(cache_seqlens=None)),
+    (TypeError, "cache_seqlens must have dtype torch.int32, got torch.int64", dict(cache_seqlens=torch.tensor([3, 5]))),
+    (ValueError, r"cache_seqlens must have shape \(batch,\) = \(2,\)", dict(cache_seqlens=torch.tensor([3], dtype=torch.int32))),
+    (TypeError, "cache_seqlens must be None, an int or an int32 tensor, got float", dict(cache_seqlens=3.0)),
+    (ValueError, r"cache_seqlens=101: must be in \[0, 100\]", dict(cache_seqlens=101)),
+    (ValueError, r"cache_seqlens=-1: must be in \[0, 100\]", dict(cache_seqlens=-1)),
+    (ValueError, "k_cache has batch 3 and q 2: a contiguous cache", dict(k_cache=t(3, 100, 2, 64), v_cache=t(3, 100, 2, 64))),
+    (ValueError, r"num_splits=-1: must be an int in \[0, 128\]", dict(num_splits=-1)),
+    (ValueError, r"num_splits=129: must be an int in \[0, 128\]", dict(num_splits=129)),
+    (ValueError, r"num_splits=2.0", dict(num_splits=2.0)),
+    (ValueError, "q's last dimension must be contiguous", dict(q=t(2, 1, 64, 8).transpose(-1, -2))),
+    (ValueError, "k_cache must have 16-byte aligned rows .* written in place", dict(k_cache=t(2, 100, 2, 68)[..., :64])),
+    (ValueError, "the tensors must be on one device; got q cpu, k_cache meta", dict(k_cache=t(2, 100, 2, 64, device="meta"))),
+]
+
+
+@pytest.mark.parametrize("error, match, changes", ERRORS, ids=[m[:40] for _, m, _ in ERRORS])
+def test_contiguous_cache_errors(error, match, changes):
+    kvcache_error(error, match, **changes)
+
+
+PAGED_ERRORS = [
+    (TypeError, "block_table must have dtype torch.int32, got torch.int64", dict(block_table=torch.zeros(2, 7, dtype=torch.long))),
+    (TypeError, "block_table must be a torch.Tensor, got list", dict(block_table=[[0]])),
+    (ValueError, r"block_table must be \(batch, max_blocks_per_sequence\) with batch 2", dict(block_table=torch.zeros(3, 7, dtype=torch.int32))),
+    (ValueError, r"page_size=24 \(k_cache.shape\[1\]\) is not supported: .* multiple of 16 tokens from 16 to 256",
+     dict(k_cache=t(30, 24, 2, 64), v_cache=t(30, 24, 2, 64))),
+    (ValueError, r"page_size=512", dict(k_cache=t(30, 512, 2, 64), v_cache=t(30, 512, 2, 64))),
+    (ValueError, r"cache_seqlens=113: must be in \[0, 112\]", dict(cache_seqlens=113)),
+    (ValueError, r"k_cache must have 4 dimensions \(num_blocks, page_size, heads_kv, head_dim\) with a block_table", dict(k_cache=t(30, 16, 128))),
+]
+
+
+@pytest.mark.parametrize("error, match, changes", PAGED_ERRORS, ids=[m[:40] for _, m, _ in PAGED_ERRORS])
+def test_paged_cache_errors(error, match, changes):
+    kvcache_error(error, match, paged=True, **changes)
+
+
+def test_every_page_size_the_kernels_take_passes_the_checks():
+    for page_size in PAGE_SIZES:
+        kvcache_error(ValueError, "runs on NVIDIA GPUs", paged=True, k_cache=t(30, page_size, 2, 64), v_cache=t(30, page_size, 2, 64))
+
+
+MERGE_ERRORS = [
+    (TypeError, "o_b must be a torch.Tensor", dict(o_b=None)),
+    (TypeError, "o_a has dtype torch.float64", dict(o_a=t(2, 3, 64, dtype=torch.float64), o_b=t(2, 3, 64, dtype=torch.float64))),
+    (TypeError, "o_a and o_b must share one dtype", dict(o_b=t(2, 3, 64, dtype=FP16))),
+    (TypeError, "lse_b must have dtype torch.float32, got torch.bfloat16", dict(lse_b=t(2, 3))),
+    (ValueError, "o_a and o_b must have one shape", dict(o_b=t(2, 4, 64))),
+    (ValueError, r"lse_a must have shape o.shape\[:-1\] = \(2, 3\) .* lse.transpose\(1, 2\)", dict(lse_a=t(3, 2, dtype=torch.float32))),
+    (ValueError, r"head_dim=12 \(o's last dimension\) is not supported", dict(o_a=t(2, 3, 12), o_b=t(2, 3, 12))),
+    (ValueError, "merge_attention_states runs on NVIDIA GPUs", {}),
+]
+
+
+@pytest.mark.parametrize("error, match, changes", MERGE_ERRORS, ids=[m[:40] for _, m, _ in MERGE_ERRORS])
+def test_merge_errors(error, match, changes):
+    args = {"o_a": t(2, 3, 64), "lse_a": t(2, 3, dtype=torch.float32), "o_b": t(2, 3, 64), "lse_b": t(2, 3, dtype=torch.float32), **changes}
+    with pytest.raises(error, match=match):
+        flashgen.merge_attention_states(**args)
+
+
+# ---- flashgen bench --decode's report (the numbers need a GPU) ---------------------------------
+
+
+def test_decode_report_renders_as_markdown():
+    from flashgen import bench
+
+    row = {"B": 1, "T": 65536, "layout": "paged 16", "flashgen_us": 70.0, "flash_us": 80.2, "cudnn_us": None,
+           "floor_us": 62.4, "vs_floor": 70 / 62.4, "vs_best_sdpa": 70 / 80.2, "tbs": 3.8, "splits": 32,
+           "kernels": "decode_paged_d128_m16_n64_bf16_w4_s3_sm90a + combine_d128_bf16_sm90a"}
+    text = bench.decode_markdown({"copy_rate_tbs": 4.3, "decode": [row], "decode_host_us": {"flashgen": 19.5, "sdpa": 24.0}})
+    assert "| 1 | 64k | paged 16 | 70.0 | 80.2 | - | 62.4 | 1.12 | 0.87 | 3.80 | 32 | decode_paged" in text
+    assert "4.30 TB/s" in text and "flashgen 19.5 us, one SDPA call 24.0 us" in text
+
+
+def test_bench_decode_refuses_a_plot():
+    from click.testing import CliRunner
+
+    from flashgen.cli import main
+
+    result = CliRunner().invoke(main, ["bench", "--decode", "--plot", "x.png"])
+    assert result.exit_code == 1 and "--decode has none" in result.output
+
+
+def test_a_serving_plan_is_never_sliced(driver, stub_kernels, cpu_device, monkeypatch):
+    """Its grid puts batch and KV heads where the checks keep them (at most 65,535 each), so
+    70,000 query tokens (q.shape[1], where the forward's plans keep heads) are one launch."""
+    monkeypatch.setattr(plans, "slices", lambda values: pytest.fail("a serving plan was sliced"))
+    q = torch.zeros(1, 1, 8, 64, dtype=BF16).expand(1, 70_000, 8, 64)
+    cache = torch.zeros(1, 16, 2, 64, dtype=BF16)
+    plan, splits = plans.decode(-1, 64, BF16, False, 70_000 * 4, 1, 2, 16)
+    assert plan.whole and splits == 1
+    plan.run(-1, serving.launch_values(q, cache, cache, None, None, None, None, 16, 0, torch.empty(1, 1, 8, 64, dtype=BF16), None, 1, True, 1.0))
+    (launch,) = driver.launches
+    assert launch["grid"] == (-(-70_000 * 4 // 64), 2, 1)

@@ -1,0 +1,310 @@
+"""GPU tier: attention_with_kvcache and merge_attention_states against the CPU oracle
+(flashgen.reference), by FlashAttention's numerics rule: max|out - ref| <= 2 * max|ref_lp - ref| +
+1e-5, ref in fp32 and ref_lp in the kernel's dtype, both computed from the same inputs. Appends are
+compared bitwise with the oracle's (it appends in place exactly as the kernel does), reads and
+writes past the caches are caught by guard regions around them, and a decode step is replayed from
+a CUDA graph as the cache grows."""
+
+import math
+
+import pytest
+import torch
+
+import flashgen
+from flashgen import plans, reference, tuning
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def prebuilt(tmp_path_factory):
+    """Compile every serving spec in parallel processes before the tests run."""
+    flashgen.build(tuning.serving_specs(plans.device_arch(0)), tmp_path_factory.mktemp("prebuilt-serving"), backward=False)
+
+
+def randn(*shape, dtype, gen):
+    return torch.randn(*shape, device="cuda", dtype=dtype, generator=gen)
+
+
+class Problem:
+    """A decode problem on the GPU and its copy for the oracle; run() checks the kernel's output,
+    lse and caches against it."""
+
+    def __init__(self, batch, seqlen_q, heads, kv_heads, head_dim, lengths, new=0, page_size=None, capacity=None,
+                 dtype=torch.bfloat16, seed=0):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        capacity = capacity or max(lengths) + new
+        self.q = randn(batch, seqlen_q, heads, head_dim, dtype=dtype, gen=gen)
+        self.k = self.v = None
+        if new:
+            self.k, self.v = (randn(batch, new, kv_heads, head_dim, dtype=dtype, gen=gen) for _ in range(2))
+        self.block_table = None
+        if page_size is None:
+            self.k_cache, self.v_cache = (randn(batch, capacity, kv_heads, head_dim, dtype=dtype, gen=gen) for _ in range(2))
+        else:
+            per_seq = -(-capacity // page_size)
+            pages = batch * per_seq + 5
+            order = torch.randperm(pages, device="cuda", generator=gen)[: batch * per_seq]
+            self.block_table = order.view(batch, per_seq).to(torch.int32)  # shuffled: the table is really followed
+            self.k_cache, self.v_cache = (randn(pages, page_size, kv_heads, head_dim, dtype=dtype, gen=gen) for _ in range(2))
+        self.cache_seqlens = torch.tensor(lengths, device="cuda", dtype=torch.int32)
+
+    def arguments(self):
+        return (self.q, self.k_cache, self.v_cache, self.k, self.v), {"cache_seqlens": self.cache_seqlens, "block_table": self.block_table}
+
+    def oracle(self, upcast=True, **options):
+        """(out, lse, k_cache, v_cache) of the oracle on CPU copies of the current state."""
+        cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
+        k_cache, v_cache = self.k_cache.cpu(), self.v_cache.cpu()
+        out, lse = reference.attention_with_kvcache(
+            cpu(self.q), k_cache, v_cache, cpu(self.k), cpu(self.v), cache_seqlens=cpu(self.cache_seqlens),
+            block_table=cpu(self.block_table), return_softmax_lse=True, upcast=upcast, **options,
+        )
+        return out, lse, k_cache, v_cache
+
+    def run(self, **options):
+        ref, ref_lse, ref_k, ref_v = self.oracle(**options)
+        ref_lp = self.oracle(upcast=False, **options)[0]
+        args, keywords = self.arguments()
+        out, lse = flashgen.attention_with_kvcache(*args, **keywords, return_softmax_lse=True, **options)
+        check(out, lse, ref, ref_lse, ref_lp)
+        assert torch.equal(self.k_cache.cpu(), ref_k) and torch.equal(self.v_cache.cpu(), ref_v), "the appends differ"
+        return out, lse
+
+
+def check(out, lse, ref, ref_lse, ref_lp):
+    out, lse = out.cpu(), lse.cpu()
+    assert not out.isnan().any(), "NaN in output"
+    err = (out.float() - ref.float()).abs().max().item()
+    bound = 2 * (ref_lp.float() - ref.float()).abs().max().item() + 1e-5
+    assert err <= bound, f"max error {err:.3e} > bound {bound:.3e}"
+    assert torch.equal(lse.isinf(), ref_lse.isinf()), "rows with no visible key differ"
+    finite = ref_lse.isfinite()
+    if finite.any():
+        assert (lse[finite] - ref_lse[finite]).abs().max().item() <= 1e-3
+
+
+LENGTHS = [1, 17, 1000, 4097]
+
+
+@pytest.mark.parametrize("new", [0, 1], ids=["no-append", "append"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 80])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_contiguous_cache(dtype, head_dim, new):
+    Problem(4, 1, 8, 2, head_dim, LENGTHS, new=new, capacity=4200, dtype=DTYPES[dtype], seed=head_dim + new).run(causal=True)
+
+
+@pytest.mark.parametrize("head_dim", [128, 80])
+@pytest.mark.parametrize("page_size", [16, 64, 256])
+def test_paged_cache_with_a_shuffled_block_table(page_size, head_dim):
+    Problem(4, 1, 8, 2, head_dim, LENGTHS, new=1, page_size=page_size, capacity=4200, seed=page_size).run(causal=True)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlen_q", [1, 5])
+def test_several_query_tokens(seqlen_q, causal, paged):
+    """Speculative decoding / chunked prefill: seqlen_q new tokens appended and attended to, the
+    causal mask aligned to each sequence's end."""
+    problem = Problem(3, seqlen_q, 8, 2, 128, [0, 30, 777], new=seqlen_q, page_size=16 if paged else None, seed=seqlen_q)
+    problem.run(causal=causal)
+
+
+@pytest.mark.parametrize("heads, kv_heads, seqlen_q", [(32, 8, 1), (32, 8, 3), (32, 1, 1), (32, 1, 3), (6, 6, 2)],
+                         ids=["gqa", "gqa-3", "mqa", "mqa-3", "mha"])
+def test_grouped_and_multi_query(heads, kv_heads, seqlen_q):
+    """The query heads of a KV head (x query tokens) share a block: 4, 12, 32 and 96 packed rows
+    (two 64-row blocks), and 2 without grouping."""
+    Problem(2, seqlen_q, heads, kv_heads, 64, [300, 1500], new=seqlen_q, page_size=64, seed=heads * seqlen_q).run(causal=True)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 64, 128])
+def test_forced_splits_match_the_reference(num_splits):
+    """Forced split counts, past the number of key tiles too (empty splits: lse -inf partials)."""
+    problem = Problem(2, 1, 8, 2, 128, [100, 3000], new=1, page_size=16, capacity=3100, seed=num_splits)
+    problem.run(num_splits=num_splits)
+
+
+def test_the_issue_shape_with_its_split_count():
+    """B = 1, 32 query heads on 8 KV heads, an 8k paged cache: split across the GPU."""
+    problem = Problem(1, 1, 32, 8, 128, [8191], new=1, page_size=16, seed=7)
+    assert plans.decode(0, 128, torch.bfloat16, True, 4, 1, 8, 8192 + 1)[1] > 1
+    problem.run()
+
+
+def test_no_keys_gives_zero_and_minus_inf():
+    problem = Problem(2, 1, 4, 2, 64, [0, 0], seed=1)
+    args, keywords = problem.arguments()
+    out, lse = flashgen.attention_with_kvcache(*args, **keywords, return_softmax_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
+def test_cache_seqlens_as_int_or_none_and_strided_q():
+    problem = Problem(2, 1, 8, 2, 128, [500, 500], seed=3)
+    whole, lse = flashgen.attention_with_kvcache(problem.q, problem.k_cache, problem.v_cache, return_softmax_lse=True)
+    assert torch.equal(flashgen.attention_with_kvcache(problem.q, problem.k_cache, problem.v_cache, cache_seqlens=500), whole)
+    ref, ref_lse, _, _ = problem.oracle()  # cache_seqlens [500, 500]: the whole cache
+    check(whole, lse, ref, ref_lse, problem.oracle(upcast=False)[0])
+    strided = problem.q.transpose(1, 2).contiguous().transpose(1, 2)  # (B, T, H, d) view of a (B, H, T, d) tensor
+    assert torch.equal(flashgen.attention_with_kvcache(strided, problem.k_cache, problem.v_cache), whole)
+
+
+def test_merged_halves_equal_the_whole():
+    """Two halves of a cache merged by merge_attention_states (FlashAttention's lse transposed)."""
+    problem = Problem(2, 1, 8, 2, 128, [2000, 2000], seed=9)
+    q, k_cache, v_cache = problem.q, problem.k_cache, problem.v_cache
+    whole = flashgen.attention_with_kvcache(q, k_cache, v_cache)
+    a, lse_a = flashgen.attention_with_kvcache(q, k_cache[:, :700].contiguous(), v_cache[:, :700].contiguous(), return_softmax_lse=True)
+    b, lse_b = flashgen.attention_with_kvcache(q, k_cache[:, 700:].contiguous(), v_cache[:, 700:].contiguous(), return_softmax_lse=True)
+    o, _ = flashgen.merge_attention_states(a, lse_a.transpose(1, 2), b, lse_b.transpose(1, 2))
+    # a and b are rounded to bf16 before the merge: a few units in the last place of the output
+    assert (o.float() - whole.float()).abs().max().item() <= 4 * 2**-8 * whole.float().abs().max().item()
+
+
+GUARD = 4096  # elements of poison on each side of every tensor a kernel may write
+
+
+def guarded(shape, dtype, gen):
+    """A random tensor of `shape` inside a buffer with random guard regions on both sides."""
+    numel = math.prod(shape)
+    buffer = randn(GUARD + numel + GUARD, dtype=dtype, gen=gen)
+    return buffer, buffer[GUARD:GUARD + numel].view(shape)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_out_of_range_lengths_and_pages_stay_inside_the_caches(paged):
+    """cache_seqlens past the capacity or negative, block-table entries outside [0, num_pages):
+    nothing outside the caches is read into the result or written, and the result is the
+    oracle's (lengths clamped, bad pages read as zeros, their writes and writes past the capacity
+    dropped)."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    batch, kv_heads, head_dim, page_size, per_seq = 4, 2, 64, 16, 4
+    capacity = page_size * per_seq
+    shape = (batch * per_seq + 2, page_size, kv_heads, head_dim) if paged else (batch, capacity, kv_heads, head_dim)
+    k_buffer, k_cache = guarded(shape, torch.bfloat16, gen)
+    v_buffer, v_cache = guarded(shape, torch.bfloat16, gen)
+    before_k, before_v = k_buffer.clone(), v_buffer.clone()
+    q = randn(batch, 2, 8, head_dim, dtype=torch.bfloat16, gen=gen)
+    k, v = (randn(batch, 2, kv_heads, head_dim, dtype=torch.bfloat16, gen=gen) for _ in range(2))
+    cache_seqlens = torch.tensor([-5, capacity + 100, capacity - 1, 2**31 - 1], device="cuda", dtype=torch.int32)
+    block_table = None
+    if paged:
+        block_table = torch.arange(batch * per_seq, device="cuda", dtype=torch.int32).view(batch, per_seq)
+        block_table[0, 0], block_table[1, 3], block_table[2, 3], block_table[3, 1] = -1, shape[0], 2**30, -(2**31)
+    table_before = None if block_table is None else block_table.clone()
+    out, lse = flashgen.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                                               block_table=block_table, causal=True, return_softmax_lse=True)
+    for buffer, old in ((k_buffer, before_k), (v_buffer, before_v)):
+        assert torch.equal(buffer[:GUARD], old[:GUARD]) and torch.equal(buffer[-GUARD:], old[-GUARD:]), "a guard was written"
+    if paged:
+        assert torch.equal(block_table, table_before)
+    cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
+    ref_k, ref_v = before_k[GUARD:-GUARD].view(shape).cpu(), before_v[GUARD:-GUARD].view(shape).cpu()
+    ref_lp_k, ref_lp_v = ref_k.clone(), ref_v.clone()
+    options = dict(cache_seqlens=cpu(cache_seqlens), block_table=cpu(block_table), causal=True, return_softmax_lse=True)
+    ref, ref_lse = reference.attention_with_kvcache(q.cpu(), ref_k, ref_v, k.cpu(), v.cpu(), **options)
+    ref_lp, _ = reference.attention_with_kvcache(q.cpu(), ref_lp_k, ref_lp_v, k.cpu(), v.cpu(), **options, upcast=False)
+    check(out, lse, ref, ref_lse, ref_lp)
+    assert torch.equal(k_cache.cpu(), ref_k) and torch.equal(v_cache.cpu(), ref_v), "the appends differ from the oracle's"
+
+
+@pytest.mark.parametrize("num_splits", [0, 1], ids=["split", "unsplit"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_decode_step_replays_from_a_cuda_graph(paged, num_splits):
+    """Capture one decode step (append + attention + combine) once, then replay it with new
+    tokens, new queries and growing lengths written into the captured tensors in place."""
+    problem = Problem(3, 1, 8, 2, 128, [5, 100, 1000], new=1, page_size=16 if paged else None, capacity=1100, seed=21)
+    args, keywords = problem.arguments()
+    options = dict(causal=True, num_splits=num_splits, return_softmax_lse=True)
+    if num_splits == 0:
+        capacity = problem.block_table.shape[1] * 16 if paged else 1100
+        assert plans.decode(0, 128, torch.bfloat16, paged, 4, 3, 2, capacity + 1)[1] > 1  # the graph holds the combine too
+    warm = [t.clone() if t is not None else None for t in args]  # load every kernel first, off the graph
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        flashgen.attention_with_kvcache(*warm, **keywords, **options)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = flashgen.attention_with_kvcache(*args, **keywords, **options)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for step in range(4):
+        for t in (problem.q, problem.k, problem.v):
+            t.copy_(torch.randn(t.shape, device="cuda", dtype=t.dtype, generator=gen))
+        ref, ref_lse, ref_k, ref_v = problem.oracle(causal=True)
+        ref_lp = problem.oracle(upcast=False, causal=True)[0]
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out, lse, ref, ref_lse, ref_lp)
+        assert torch.equal(problem.k_cache.cpu(), ref_k) and torch.equal(problem.v_cache.cpu(), ref_v), f"step {step}"
+        problem.cache_seqlens += torch.tensor([1, 1 + step, 0], device="cuda", dtype=torch.int32)
+
+
+# ---- merge_attention_states ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
+def test_merge_matches_the_reference(dtype, head_dim):
+    gen = torch.Generator(device="cuda").manual_seed(head_dim)
+    batch, seqlen, heads = 3, 37, 5
+    o_a, o_b = (randn(batch, seqlen, heads, head_dim, dtype=dtype, gen=gen) for _ in range(2))
+    lse_a, lse_b = (randn(batch, heads, seqlen, dtype=torch.float32, gen=gen) * 4 for _ in range(2))  # FlashAttention's layout
+    lse_a[0, 0, :5] = -math.inf  # one side empty
+    lse_b[0, 0, 3:8] = -math.inf  # and both, for rows 3 and 4
+    o_b[0, 3:8, 0] = float("nan")  # an empty state's output is never read
+    o, lse = flashgen.merge_attention_states(o_a, lse_a.transpose(1, 2), o_b, lse_b.transpose(1, 2))
+    assert o.shape == o_a.shape and o.dtype == dtype and lse.shape == (batch, seqlen, heads) and lse.dtype == torch.float32
+    o, lse = o.cpu(), lse.cpu()
+    check_merge(o, lse, (o_a, lse_a.transpose(1, 2), o_b, lse_b.transpose(1, 2)))
+    assert torch.isneginf(lse[0, 3:5, 0]).all() and torch.equal(o[0, 3:5, 0], torch.zeros_like(o[0, 3:5, 0]))
+
+
+def check_merge(o, lse, states):
+    """The numerics rule against the oracle in float64, ref_lp the oracle in the states' dtype."""
+    states = [t.cpu() for t in states]
+    ref, ref_lse = reference.merge_attention_states(*(t.double() for t in states))
+    ref_lp, _ = reference.merge_attention_states(*states)
+    o, lse = o.cpu(), lse.cpu()
+    assert not o.isnan().any()
+    err = (o.double() - ref).abs().max().item()
+    assert err <= 2 * (ref_lp.double() - ref).abs().max().item() + 1e-5, err
+    assert torch.equal(lse.isneginf(), ref_lse.isneginf())
+    finite = ref_lse.isfinite()
+    assert (lse[finite].double() - ref_lse[finite]).abs().max().item() <= 2e-4
+
+
+def test_merge_takes_other_ranks_and_strides():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    o_a = randn(7, 2, 3, 4, 64, dtype=torch.bfloat16, gen=gen)  # four leading dimensions
+    o_b = randn(7, 2, 3, 4, 128, dtype=torch.bfloat16, gen=gen)[..., ::2].contiguous()
+    lse_a, lse_b = randn(7, 2, 3, 4, dtype=torch.float32, gen=gen), randn(4, 3, 2, 7, dtype=torch.float32, gen=gen).permute(3, 2, 1, 0)
+    o, lse = flashgen.merge_attention_states(o_a, lse_a, o_b, lse_b)
+    assert o.shape == o_a.shape and lse.shape == lse_a.shape
+    check_merge(o, lse, (o_a, lse_a, o_b, lse_b))
+    flat = randn(10, 64, dtype=torch.float32, gen=gen)
+    o, lse = flashgen.merge_attention_states(flat, torch.zeros(10, device="cuda"), flat, torch.zeros(10, device="cuda"))
+    assert (o - flat).abs().max().item() <= 1e-5 and (lse - math.log(2)).abs().max().item() <= 1e-5
+
+
+def test_input_errors_on_the_gpu():
+    """The CPU tier's input errors, with the tensors on the GPU: the fast path of the checks lets
+    none of them through."""
+    from test_decode import ERRORS, PAGED_ERRORS, inputs
+
+    def cuda(value):  # the same shape, strides and dtype on the GPU (a strided view stays one)
+        if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
+            return value
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="cuda").zero_()
+
+    for paged, cases in ((False, ERRORS), (True, PAGED_ERRORS)):
+        for error, match, changes in cases:
+            if "device" in match:
+                continue
+            args = {name: cuda(value) for name, value in inputs(paged, **changes).items()}
+            keywords = {name: args.pop(name) for name in ("cache_seqlens", "block_table", "num_splits") if name in args}
+            with pytest.raises(error, match=match):
+                flashgen.attention_with_kvcache(*args.values(), **keywords)
