@@ -1,7 +1,9 @@
 """GPU tier: a small random Llama (GQA) from transformers with flashgen's attention hook, on right-
 and left-padded batches: logits and gradients against the same model on transformers' own SDPA
 attention, by the bf16 rule of test_gpu_generate.py: the error against an fp32 copy of the model is
-at most 2x (logits; 3x for gradients, the numerics rule's factor) the bf16 SDPA model's + 1e-5."""
+at most 2x (logits; 3x for gradients, the numerics rule's factor) the bf16 model's + 1e-5. The bf16
+model runs transformers' eager attention: its SDPA path gives NaN gradients on a left-padded batch
+(the padded query rows see no key), which would make the bound NaN (seen on the H200, torch 2.11)."""
 
 import copy
 
@@ -51,23 +53,25 @@ def run(model, ids, mask, labels):
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
-def test_padded_batch_matches_transformers_sdpa(side):
+def test_padded_batch_matches_transformers(side):
     import flashgen.integrations.transformers as fg_hf
 
     name = fg_hf.register()
     ours = small_llama(name)
-    sdpa = small_llama("sdpa")
-    sdpa.load_state_dict(ours.state_dict())
-    exact = copy.deepcopy(sdpa).float()
+    eager = small_llama("eager")
+    eager.load_state_dict(ours.state_dict())
+    exact = copy.deepcopy(small_llama("sdpa")).float()
+    exact.load_state_dict(ours.state_dict())
     batch = padded_batch(side)
     logits, grads = run(ours, *batch)
-    low_logits, low_grads = run(sdpa, *batch)
+    low_logits, low_grads = run(eager, *batch)
     ref_logits, ref_grads = run(exact, *batch)
+    assert not ref_grads.isnan().any() and not low_grads.isnan().any()
     assert not logits.isnan().any() and not grads.isnan().any()
     for what, mine, low, ref, factor in (("logits", logits, low_logits, ref_logits, 2), ("gradients", grads, low_grads, ref_grads, 3)):
         error = (mine - ref).abs().max().item()
         bound = factor * (low - ref).abs().max().item() + 1e-5
-        assert error <= bound, f"{side}-padded {what}: max |flashgen - fp32| {error:.4g} > {factor} x |sdpa bf16 - fp32| {bound:.4g}"
+        assert error <= bound, f"{side}-padded {what}: max |flashgen - fp32| {error:.4g} > {factor} x |bf16 - fp32| {bound:.4g}"
 
 
 def test_a_model_with_a_sliding_window_is_refused_by_name():

@@ -34,7 +34,7 @@ class HopperBackward(Family):
     template = "attention_bwd_sm90.cu.j2"
     fields = ("head_dim", "block_m", "block_n", "dtype", "causal", "num_stages", "arch")
     arguments = ("q", "k", "v", "d_o", "lse_log2", "delta", "dk", "dv", "dq_accum", "scale")
-    tune_space = {"block_m": (64, 128), "num_stages": (2, 3)}
+    tune_space = {"block_m": (64, 128), "block_n": (128,), "num_stages": (2, 3)}
 
     @staticmethod
     def head_dim_pad(spec: KernelSpec) -> int:

@@ -1,0 +1,29 @@
+"""Instruction counts in the SASS of the kernels the tables pick for a few problems (GPU machine:
+cuobjdump): the Hopper instructions that make a kernel what it claims, and no local memory.
+
+    PYTHONPATH=. python3 .ci/sass.py
+"""
+
+import re
+import subprocess
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+from flashgen import tuning
+from flashgen.compile import compile_source
+from flashgen.render import render
+
+OPCODES = ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "UBLKCP", "UBLKRED", "UTMAREDG", "USETMAXREG", "LDGSTS", "LDL", "STL")
+
+specs = [tuning.forward_spec(d, "bf16", True, "sm_90a", 4096) for d in (64, 128)]
+specs += [s for d in (64, 128) for s in tuning.backward_specs(d, "bf16", True, "sm_90a", False)]
+specs += [tuning.decode_spec(128, "bf16", "sm_90a", paged, 4) for paged in (False, True)]
+specs.append(tuning.merge_spec("combine", 128, "bf16", "sm_90a"))
+with tempfile.TemporaryDirectory() as tmp:
+    for spec in specs:
+        path = Path(tmp) / f"{spec.name}.cubin"
+        path.write_bytes(compile_source(spec, render(spec)).cubin)
+        sass = subprocess.run(["cuobjdump", "-sass", str(path)], capture_output=True, text=True, check=True).stdout
+        found = Counter(m.group(1) for m in re.finditer(r"\b([A-Z][A-Z0-9]+)(?:\.[A-Z0-9_.]+)?\s", sass) if m.group(1) in OPCODES)
+        print(spec.name, " ".join(f"{op} {found[op]}" for op in OPCODES if found[op]) or "-", flush=True)
