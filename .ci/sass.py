@@ -25,5 +25,5 @@ with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"{spec.name}.cubin"
         path.write_bytes(compile_source(spec, render(spec)).cubin)
         sass = subprocess.run(["cuobjdump", "-sass", str(path)], capture_output=True, text=True, check=True).stdout
-        found = Counter(m.group(1) for m in re.finditer(r"\b([A-Z][A-Z0-9]+)(?:\.[A-Z0-9_.]+)?\s", sass) if m.group(1) in OPCODES)
+        found = Counter(m.group(1) for m in re.finditer(r"\b([A-Z][A-Z0-9]+)[.\s]", sass) if m.group(1) in OPCODES)
         print(spec.name, " ".join(f"{op} {found[op]}" for op in OPCODES if found[op]) or "-", flush=True)
