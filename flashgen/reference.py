@@ -31,12 +31,45 @@ def _expand_kv(q, k, v):
     return k, v
 
 
-def naive_attention(q, k, v, causal=False, scale=None, upcast=True):
+def visible_in_window(seqlen_q: int, seqlen_k: int, window_size, causal: bool = False, device=None) -> torch.Tensor:
+    """FlashAttention's local mask, bottom-right aligned like causal: with i' = i + seqlen_k -
+    seqlen_q, query i sees key j iff i' - left <= j <= i' + right (-1 = no bound on that side);
+    causal caps right at 0."""
+    left, right = window_size
+    right = 0 if causal else right
+    i = torch.arange(seqlen_q, device=device)[:, None] + (seqlen_k - seqlen_q)
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    seen = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        seen &= j >= i - left
+    if right >= 0:
+        seen &= j <= i + right
+    return seen
+
+
+def _positions(q, k):
+    """b, h, q_idx, kv_idx as tensors that broadcast over (batch, heads, seqlen_q, seqlen_k): what a
+    score_mod or mask_mod is called with (FlexAttention's convention, plain indices)."""
+    batch, heads, seqlen_q, _ = q.shape
+    device = q.device
+    return (torch.arange(batch, device=device)[:, None, None, None], torch.arange(heads, device=device)[None, :, None, None],
+            torch.arange(seqlen_q, device=device)[None, None, :, None], torch.arange(k.shape[2], device=device)[None, None, None, :])
+
+
+def naive_attention(q, k, v, causal=False, scale=None, upcast=True, *, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, score_mod=None, mask_mod=None):
     """softmax(q k^T * scale) v with the full score matrix. Returns (o, lse).
 
     upcast=True computes in fp32 (the reference); upcast=False keeps the inputs' dtype for the
     matmuls and the probabilities, which is what "the same computation in low precision" costs.
     Rows that see no key give o = 0 and lse = -inf.
+
+    The variants, with FlashAttention's names and semantics, applied in this order to the scaled
+    scores s: softcap > 0 makes them softcap * tanh(s / softcap); alibi_slopes (heads,) or
+    (batch, heads), fp32, adds -slope * |i + seqlen_k - seqlen_q - j|; score_mod(s, b, h, q_idx,
+    kv_idx) returns new scores (FlexAttention's convention: plain indices, tensors that broadcast);
+    then the masks: causal, window_size=(left, right) (visible_in_window), and mask_mod(b, h, q_idx,
+    kv_idx) (True keeps).
     """
     dtype = q.dtype
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -44,8 +77,23 @@ def naive_attention(q, k, v, causal=False, scale=None, upcast=True):
     if upcast:
         q, k, v = q.float(), k.float(), v.float()
     scores = torch.matmul(q * scale, k.transpose(-1, -2)).float()
-    if causal:
-        scores = scores.masked_fill(~visible(q.shape[2], k.shape[2], q.device), -math.inf)
+    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.float().to(scores.device)
+        slopes = slopes[None, :, None, None] if slopes.dim() == 1 else slopes[:, :, None, None]
+        i = torch.arange(seqlen_q, device=scores.device)[:, None] + (seqlen_k - seqlen_q)
+        j = torch.arange(seqlen_k, device=scores.device)[None, :]
+        scores = scores - slopes * (i - j).abs()
+    if score_mod is not None:
+        scores = score_mod(scores, *_positions(q, k)).float()
+    if tuple(window_size) != (-1, -1):
+        scores = scores.masked_fill(~visible_in_window(seqlen_q, seqlen_k, window_size, causal, q.device), -math.inf)
+    elif causal:
+        scores = scores.masked_fill(~visible(seqlen_q, seqlen_k, q.device), -math.inf)
+    if mask_mod is not None:
+        scores = scores.masked_fill(~torch.as_tensor(mask_mod(*_positions(q, k)), device=q.device), -math.inf)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)  # a fully masked row: 0, not NaN
     o = torch.matmul(probs.to(v.dtype), v)

@@ -1,0 +1,100 @@
+"""The oracle's attention variants (window, softcap, ALiBi, score_mod, mask_mod) against attention
+written out one query and one key at a time in float64, and the built-ins against the same rules
+written as user modifiers."""
+
+import math
+
+import pytest
+import torch
+
+from flashgen.reference import naive_attention
+
+
+def by_hand(q, k, v, scale, causal=False, window=(-1, -1), softcap=0.0, slopes=None, score_mod=None, mask_mod=None):
+    batch, heads, seqlen_q, _ = q.shape
+    kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    lse = torch.full(q.shape[:3], -math.inf, dtype=torch.float64)
+    for b in range(batch):
+        for h in range(heads):
+            kh = h // (heads // kv_heads)
+            for i in range(seqlen_q):
+                shifted = i + seqlen_k - seqlen_q
+                scores, keys = [], []
+                for j in range(seqlen_k):
+                    s = float((q[b, h, i].double() * k[b, kh, j].double()).sum()) * scale
+                    if softcap:
+                        s = softcap * math.tanh(s / softcap)
+                    if slopes is not None:
+                        slope = float(slopes[h] if slopes.dim() == 1 else slopes[b, h])
+                        s -= slope * abs(shifted - j)
+                    if score_mod is not None:
+                        s = float(score_mod(torch.tensor(s), b, h, i, j))
+                    left, right = window
+                    right = 0 if causal else right
+                    hidden = (left >= 0 and j < shifted - left) or (right >= 0 and j > shifted + right)
+                    if mask_mod is not None and not bool(mask_mod(b, h, i, j)):
+                        hidden = True
+                    if not hidden:
+                        scores.append(s)
+                        keys.append(j)
+                if scores:
+                    top = max(scores)
+                    weights = [math.exp(s - top) for s in scores]
+                    total = sum(weights)
+                    lse[b, h, i] = top + math.log(total)
+                    for w, j in zip(weights, keys):
+                        out[b, h, i] += w / total * v[b, kh, j].double()
+    return out, lse
+
+
+def inputs(batch=2, heads=4, kv_heads=2, seqlen_q=7, seqlen_k=11, d=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, seqlen_q, d, generator=gen)
+    k, v = (torch.randn(batch, kv_heads, seqlen_k, d, generator=gen) for _ in range(2))
+    return q, k, v
+
+
+def close(got, want):
+    (o, lse), (o_ref, lse_ref) = got, want
+    assert torch.equal(lse.isinf(), lse_ref.isinf())
+    assert torch.allclose(o.double(), o_ref, atol=1e-5)
+    finite = lse_ref.isfinite()
+    assert torch.allclose(lse.double()[finite], lse_ref[finite], atol=1e-5)
+
+
+SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(7, 11), (11, 7), (1, 9)])
+@pytest.mark.parametrize("case", [
+    dict(window=(3, -1)), dict(window=(2, 1)), dict(window=(-1, 0)), dict(window=(0, 0)), dict(window=(4, 2), causal=True),
+    dict(softcap=2.0), dict(slopes=SLOPES), dict(slopes=SLOPES.repeat(2, 1) * torch.tensor([[1.0], [2.0]])),
+    dict(softcap=1.5, window=(3, 0), causal=True),
+    dict(score_mod=lambda s, b, h, i, j: s + 0.1 * (h + 1) * ((i - j) % 3)),
+    dict(mask_mod=lambda b, h, i, j: (i + j + b) % 3 != 0),
+], ids=lambda case: ",".join(case))
+def test_variants_match_attention_written_out(case, seqlen_q, seqlen_k):
+    q, k, v = inputs(seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+    scale = 0.3
+    got = naive_attention(q, k, v, causal=case.get("causal", False), scale=scale, window_size=case.get("window", (-1, -1)),
+                          softcap=case.get("softcap", 0.0), alibi_slopes=case.get("slopes"),
+                          score_mod=case.get("score_mod"), mask_mod=case.get("mask_mod"))
+    close(got, by_hand(q, k, v, scale, **case))
+
+
+def test_builtins_equal_the_same_rules_as_modifiers():
+    q, k, v = inputs(seqlen_q=9, seqlen_k=13)
+    shift = 13 - 9
+    window = naive_attention(q, k, v, window_size=(3, 0))
+    as_mask = naive_attention(q, k, v, mask_mod=lambda b, h, i, j: (j <= i + shift) & (j >= i + shift - 3))
+    assert torch.allclose(window[0], as_mask[0]) and torch.equal(window[1], as_mask[1])
+    alibi = naive_attention(q, k, v, alibi_slopes=SLOPES)
+    as_score = naive_attention(q, k, v, score_mod=lambda s, b, h, i, j: s - SLOPES[h] * (i + shift - j).abs())
+    assert torch.allclose(alibi[0], as_score[0], atol=1e-6) and torch.allclose(alibi[1], as_score[1], atol=1e-6)
+
+
+def test_no_variant_is_the_plain_computation():
+    q, k, v = inputs()
+    plain = naive_attention(q, k, v, causal=True)
+    assert torch.equal(plain[0], naive_attention(q, k, v, causal=True, window_size=(-1, -1), softcap=0.0)[0])
