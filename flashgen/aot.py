@@ -22,6 +22,7 @@ from .cache import cubin_matches, default_cache, write_atomic
 from .compile import Resources
 from .spec import KernelSpec
 from .tuning import backward_prep, backward_specs
+from .variants import FIELDS
 
 MODULE = '''"""flashgen ahead-of-time kernel {name} (flashgen {version}, NVRTC {nvrtc}).
 
@@ -85,7 +86,8 @@ def with_backward(specs: list[KernelSpec]) -> dict[KernelSpec, tuple[str, ...]]:
             continue
         picked = [backward_prep(spec.head_dim, spec.dtype, spec.arch)]
         for deterministic in (False, True):
-            picked += backward_specs(spec.head_dim, spec.dtype, spec.causal, spec.arch, deterministic)
+            picked += backward_specs(spec.head_dim, spec.dtype, spec.causal, spec.arch, deterministic,
+                                     variant=tuple(field for field in FIELDS if getattr(spec, field)))
         picked = list(dict.fromkeys(picked))
         plan[spec] = tuple(p.name for p in picked)
         for companion in picked:
@@ -145,10 +147,11 @@ class PrebuiltKernel:
         self.resources = Resources(**meta["resources"])
 
     def __call__(self, q, k, v, *, scale: float | None = None, return_lse: bool = False,
-                 deterministic: bool = False):
+                 deterministic: bool = False, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None):
         from .api import call
 
-        return call(q, k, v, self.spec.causal, scale, return_lse, deterministic, spec=self.spec)
+        return call(q, k, v, self.spec.causal, scale, return_lse, deterministic, spec=self.spec,
+                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
 
     def __repr__(self) -> str:
         return f"PrebuiltKernel({self.spec.name}, {self.path})"

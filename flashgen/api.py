@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from . import plans
+from . import plans, variants
 from .compile import NoJitError  # noqa: F401  (re-exported: flashgen.NoJitError)
 from .plans import DTYPES
 from .spec import HEAD_DIM_RULE, KernelSpec
@@ -30,9 +30,17 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def forward_impl(q, k, v, causal: bool, scale: float, kernel: str, need_lse: bool = True):
+def _variant_values(window_left, window_right, softcap, alibi_slopes) -> tuple[tuple[str, ...], dict]:
+    """The variant fields a call's kernels have, and the values they take (flashgen.variants)."""
+    variant = variants.Variant(window_left, window_right, softcap, alibi_slopes is not None)
+    return tuple(variant.fields), {**variant.values(), "alibi_slopes": alibi_slopes}
+
+
+def forward_impl(q, k, v, causal: bool, scale: float, kernel: str, need_lse: bool = True,
+                 window_left: int = -1, window_right: int = -1, softcap: float = 0.0, alibi_slopes=None):
     """(o, lse) by the forward plan; lse is None when not needed (the kernel then skips it).
-    `kernel` is the canonical text of the spec to run, or "" for the tables' choice."""
+    `kernel` is the canonical text of the spec to run, or "" for the tables' choice; the variant
+    arguments are flashgen.variants' (already checked)."""
     batch, heads, seqlen_q, head_dim = q.shape
     o = torch.empty_like(q)
     lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device) if need_lse else None
@@ -41,36 +49,46 @@ def forward_impl(q, k, v, causal: bool, scale: float, kernel: str, need_lse: boo
     if k.shape[2] == 0:  # no keys: every row sees nothing
         return o.zero_(), None if lse is None else lse.fill_(-math.inf)
     device = q.get_device()
-    plan = plans.forward(device, head_dim, q.dtype, causal, seqlen_q, kernel)
-    plan.run(device, {"q": _aligned(q), "k": _aligned(k), "v": _aligned(v), "o": o, "lse": lse, "scale": scale})
+    values = {"q": _aligned(q), "k": _aligned(k), "v": _aligned(v), "o": o, "lse": lse, "scale": scale}
+    variant = ()
+    if window_left != -1 or window_right != -1 or softcap or alibi_slopes is not None:
+        variant, more = _variant_values(window_left, window_right, softcap, alibi_slopes)
+        values.update(more)
+    plans.forward(device, head_dim, q.dtype, causal, seqlen_q, kernel, variant).run(device, values)
     return o, lse
 
 
-def backward_impl(d_o, q, k, v, o, lse, d_lse, causal: bool, scale: float, deterministic: bool, kernel: str = ""):
+def backward_impl(d_o, q, k, v, o, lse, d_lse, causal: bool, scale: float, deterministic: bool, kernel: str = "",
+                  window_left: int = -1, window_right: int = -1, softcap: float = 0.0, alibi_slopes=None):
     """(dq, dk, dv) from the forward's inputs, output and log-sum-exp; P is recomputed. `kernel`
     is the forward's spec (canonical text, or ""): the backward compiles for its target."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     device = q.get_device()
-    plan = plans.backward(device, q.shape[3], q.dtype, causal, deterministic, kernel)
     values = {name: _aligned(t) for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("d_o", d_o))}
     values.update(lse=lse.contiguous(), d_lse=None if d_lse is None else d_lse.contiguous(), dq=dq, dk=dk, dv=dv, scale=scale)
-    plan.run(device, values)
+    variant = ()
+    if window_left != -1 or window_right != -1 or softcap or alibi_slopes is not None:
+        variant, more = _variant_values(window_left, window_right, softcap, alibi_slopes)
+        values.update(more)
+    plans.backward(device, q.shape[3], q.dtype, causal, deterministic, kernel, variant).run(device, values)
     return dq, dk, dv
 
 
 @torch.library.custom_op("flashgen::attention_fwd", mutates_args=(), device_types="cuda")
 def attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, kernel: str,
-    deterministic: bool,
+    deterministic: bool, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse). `deterministic` only chooses the backward kernels (the forward always is)."""
-    return forward_impl(q, k, v, causal, scale, kernel)
+    return forward_impl(q, k, v, causal, scale, kernel, True, window_left, window_right, softcap, alibi_slopes)
 
 
 @attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, causal, scale, kernel, deterministic):
+def _attention_fwd_fake(q, k, v, causal, scale, kernel, deterministic, window_left=-1, window_right=-1, softcap=0.0,
+                        alibi_slopes=None):
     batch, heads, seqlen_q, _ = q.shape
     return torch.empty_like(q), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
 
@@ -79,22 +97,25 @@ def _attention_fwd_fake(q, k, v, causal, scale, kernel, deterministic):
 def attention_bwd(
     d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
     lse: torch.Tensor, d_lse: torch.Tensor | None, causal: bool, scale: float, deterministic: bool,
-    kernel: str,
+    kernel: str, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) from the forward's inputs, output and log-sum-exp; P is recomputed."""
-    return backward_impl(d_o, q, k, v, o, lse, d_lse, causal, scale, deterministic, kernel)
+    return backward_impl(d_o, q, k, v, o, lse, d_lse, causal, scale, deterministic, kernel,
+                         window_left, window_right, softcap, alibi_slopes)
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(d_o, q, k, v, o, lse, d_lse, causal, scale, deterministic, kernel):
+def _attention_bwd_fake(d_o, q, k, v, o, lse, d_lse, causal, scale, deterministic, kernel, window_left=-1,
+                        window_right=-1, softcap=0.0, alibi_slopes=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, kernel, deterministic = inputs
+    q, k, v, causal, scale, kernel, deterministic, *variant = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)
-    ctx.causal, ctx.scale, ctx.kernel, ctx.deterministic = causal, scale, kernel, deterministic
+    ctx.causal, ctx.scale, ctx.kernel, ctx.deterministic, ctx.variant = causal, scale, kernel, deterministic, variant
     ctx.set_materialize_grads(False)  # an unused lse then costs nothing in the backward
 
 
@@ -102,8 +123,8 @@ def _backward(ctx, d_o, d_lse, backward=attention_bwd):
     q, k, v, o, lse = ctx.saved_tensors
     if d_o is None:
         d_o = torch.zeros_like(o)
-    dq, dk, dv = backward(d_o, q, k, v, o, lse, d_lse, ctx.causal, ctx.scale, ctx.deterministic, ctx.kernel)
-    return dq, dk, dv, None, None, None, None
+    dq, dk, dv = backward(d_o, q, k, v, o, lse, d_lse, ctx.causal, ctx.scale, ctx.deterministic, ctx.kernel, *ctx.variant)
+    return dq, dk, dv, None, None, None, None, *(None for _ in ctx.variant)  # no gradient for the slopes
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -113,9 +134,9 @@ class _EagerAttention(torch.autograd.Function):
     """The custom op's autograd, minus the dispatcher: what eager training calls."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, kernel, deterministic):
-        output = forward_impl(q, k, v, causal, scale, kernel)
-        _setup_context(ctx, (q, k, v, causal, scale, kernel, deterministic), output)
+    def forward(ctx, q, k, v, causal, scale, kernel, deterministic, *variant):
+        output = forward_impl(q, k, v, causal, scale, kernel, True, *variant)
+        _setup_context(ctx, (q, k, v, causal, scale, kernel, deterministic, *variant), output)
         return output
 
     @staticmethod
@@ -123,15 +144,17 @@ class _EagerAttention(torch.autograd.Function):
         return _backward(ctx, d_o, d_lse, backward=backward_impl)
 
 
-def run_attention(q, k, v, causal: bool, scale: float, kernel: str, deterministic: bool, need_lse: bool = True):
+def run_attention(q, k, v, causal: bool, scale: float, kernel: str, deterministic: bool, need_lse: bool = True,
+                  variant: tuple = ()):
     """(o, lse): through the custom op when torch.compile traces the call; in eager mode through
     the same implementation directly (with autograd only when a gradient is needed). Without a
-    gradient and with need_lse=False, lse is None and never computed."""
+    gradient and with need_lse=False, lse is None and never computed. `variant` is () or
+    (window_left, window_right, softcap, alibi_slopes), checked."""
     if torch.compiler.is_compiling():
-        return attention_fwd(q, k, v, causal, scale, kernel, deterministic)
+        return attention_fwd(q, k, v, causal, scale, kernel, deterministic, *variant)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _EagerAttention.apply(q, k, v, causal, scale, kernel, deterministic)
-    return forward_impl(q, k, v, causal, scale, kernel, need_lse)
+        return _EagerAttention.apply(q, k, v, causal, scale, kernel, deterministic, *variant)
+    return forward_impl(q, k, v, causal, scale, kernel, need_lse, *variant)
 
 
 def _well_formed(q, k, v) -> bool:
@@ -215,7 +238,8 @@ def softmax_scale(scale, head_dim: int) -> float:
 
 def attention(
     q, k, v, *, causal: bool = False, scale: float | None = None, return_lse: bool = False,
-    deterministic: bool = False,
+    deterministic: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ):
     """Exact softmax(q k^T * scale) v without materializing the scores; differentiable.
 
@@ -230,17 +254,32 @@ def attention(
     The forward is deterministic. The default backward adds dq up with fp32 atomics, so dq may
     differ in its last bits from run to run (dk and dv never do); deterministic=True computes dq in
     a separate pass instead, which costs some speed and gives bitwise-identical gradients.
+
+    Variants, with FlashAttention's names and semantics (flash_attn_func's), on the scaled scores
+    s of query i and key j, with i' = i + Tk - Tq: window_size=(left, right) keeps keys
+    i' - left <= j <= i' + right (-1 = no bound on that side; causal sets right to 0), and key
+    tiles outside the window are never visited; softcap > 0 makes the scores
+    softcap * tanh(s / softcap); alibi_slopes, fp32 of shape (H,) or (B, H), adds
+    -slope * |i' - j|. They combine, and all are differentiable (no gradient for the slopes).
     """
-    return call(q, k, v, causal, scale, return_lse, deterministic)
+    return call(q, k, v, causal, scale, return_lse, deterministic, window_size=window_size, softcap=softcap,
+                alibi_slopes=alibi_slopes)
 
 
-def call(q, k, v, causal, scale, return_lse, deterministic, spec: KernelSpec | None = None):
+def call(q, k, v, causal, scale, return_lse, deterministic, spec: KernelSpec | None = None, *,
+         window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
     """attention() with, optionally, the forward kernel fixed to `spec` (a prebuilt kernel's):
     the one path every public entry point takes."""
     if isinstance(q, torch.Tensor) and q.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
         dtype = torch.get_autocast_dtype("cuda")  # under autocast, like SDPA: fp32 in, autocast dtype
         q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
     check_inputs(q, k, v)
+    variant = ()
+    if alibi_slopes is not None or softcap or window_size != (-1, -1):  # one cheap test for plain calls
+        chosen = variants.make(causal, window_size, softcap, alibi_slopes, q.shape[0], q.shape[1], q.device)
+        if chosen != variants.PLAIN:
+            slopes = None if alibi_slopes is None else alibi_slopes.expand(q.shape[0], q.shape[1])  # sliced like q
+            variant = (chosen.window_left, chosen.window_right, chosen.softcap, slopes)
     kernel = ""
     if spec is not None:
         if q.shape[-1] != spec.head_dim or DTYPES[q.dtype] != spec.dtype:
@@ -248,8 +287,15 @@ def call(q, k, v, causal, scale, return_lse, deterministic, spec: KernelSpec | N
                 f"{spec.name} takes head_dim={spec.head_dim} {spec.dtype}; got head_dim="
                 f"{q.shape[-1]} {DTYPES[q.dtype]}"
             )
+        wanted = variants.Variant(*variant[:3], variant[3] is not None).fields if variant else {}
+        have = {field: True for field in variants.FIELDS if getattr(spec, field)}
+        if have != wanted:
+            raise ValueError(
+                f"{spec.name} is built for variants {sorted(have) or 'none'}; this call asks for {sorted(wanted) or 'none'}"
+            )
         kernel = spec.canonical()
     o, lse = run_attention(
-        q, k, v, bool(causal), softmax_scale(scale, q.shape[-1]), kernel, bool(deterministic), need_lse=bool(return_lse)
+        q, k, v, bool(causal), softmax_scale(scale, q.shape[-1]), kernel, bool(deterministic), need_lse=bool(return_lse),
+        variant=variant,
     )
     return (o, lse) if return_lse else o

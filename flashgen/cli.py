@@ -18,6 +18,7 @@ from rich.progress import Progress
 
 from .families import KINDS
 from .spec import ARCHS, SpecError
+from .variants import FIELDS as VARIANTS
 
 console = Console()
 errors = Console(stderr=True)
@@ -74,6 +75,8 @@ def spec_options(multiple: bool):
             click.option("--no-causal", "no_causal", is_flag=True, help="same as --causal no"),
             click.option("--arch", "archs", default="sm_90a", show_default=True,
                          callback=_words(ARCHS), help="compile target(s)"),
+            click.option("--variant", "variant", default=None, callback=_words(VARIANTS),
+                         help=f"attention variants the kernels have, comma-separated: {', '.join(VARIANTS)}"),
         ]
         for option in reversed(options):
             fn = option(fn)
@@ -82,9 +85,10 @@ def spec_options(multiple: bool):
     return decorate
 
 
-def specs_from_options(head_dims, blocks_m, blocks_n, warps, stages, dtypes, causal, no_causal, archs, kind=None):
+def specs_from_options(head_dims, blocks_m, blocks_n, warps, stages, dtypes, causal, no_causal, archs, variant=None,
+                       kind=None):
     """Every combination of the options, each field the tuning table's choice unless given; kind
-    None is the forward kernel the tables pick for the target."""
+    None is the forward kernel the tables pick for the target (and the variants)."""
     from . import tuning
 
     if no_causal and causal != ["no"]:
@@ -92,7 +96,7 @@ def specs_from_options(head_dims, blocks_m, blocks_n, warps, stages, dtypes, cau
     causals = [False] if no_causal else [c == "yes" for c in causal]
     specs = []
     for head_dim, dtype, is_causal, arch in product(head_dims, dtypes, causals, archs):
-        tuned = tuning.tuned_spec(kind, head_dim, dtype, is_causal, arch)
+        tuned = tuning.tuned_spec(kind, head_dim, dtype, is_causal, arch, tuple(variant or ()))
         for block_m, block_n, num_warps, num_stages in product(blocks_m or [None], blocks_n or [None], warps or [None], stages or [None]):
             changes = {"block_m": block_m, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages}
             changes = {field: value for field, value in changes.items() if value is not None}

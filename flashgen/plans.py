@@ -117,13 +117,15 @@ def device_arch(device: int) -> str:
     return arch
 
 
-def forward(device: int, head_dim: int, dtype: torch.dtype, causal: bool, seqlen_q: int, spec: str) -> Plan:
-    """The forward's plan: the kernel `spec` names (its canonical text), or the tables' choice."""
-    key = ("fwd", device, head_dim, dtype, causal, tuning.query_bucket(seqlen_q), spec)
+def forward(device: int, head_dim: int, dtype: torch.dtype, causal: bool, seqlen_q: int, spec: str,
+            variant: tuple[str, ...] = ()) -> Plan:
+    """The forward's plan: the kernel `spec` names (its canonical text), or the tables' choice;
+    `variant` names the variant fields the kernel has (flashgen.variants)."""
+    key = ("fwd", device, head_dim, dtype, causal, tuning.query_bucket(seqlen_q), spec, variant)
     plan = _plans.get(key)
     if plan is None:
         chosen = KernelSpec.from_json(spec) if spec else tuning.forward_spec(
-            head_dim, DTYPES[dtype], causal, device_arch(device), seqlen_q
+            head_dim, DTYPES[dtype], causal, device_arch(device), seqlen_q, variant=variant
         )
         plan = _plans[key] = Plan((Launch(kernels.get(chosen)),))
     return plan
@@ -144,16 +146,17 @@ def _stats(values: dict) -> tuple:
     return batch, heads, padded(seqlen_q)
 
 
-def backward(device: int, head_dim: int, dtype: torch.dtype, causal: bool, deterministic: bool, forward_spec: str) -> Plan:
+def backward(device: int, head_dim: int, dtype: torch.dtype, causal: bool, deterministic: bool, forward_spec: str,
+             variant: tuple[str, ...] = ()) -> Plan:
     """The backward's plan: the prep (delta and the base-2 lse, padded), then the tables' backward
     kernels for the target of the forward's kernel (`forward_spec`, its canonical text; "" = the
     device's); without `deterministic` the key-major kernel adds dQ into an fp32 buffer with
     atomics, converted to dq at the end."""
-    key = ("bwd", device, head_dim, dtype, causal, deterministic, forward_spec)
+    key = ("bwd", device, head_dim, dtype, causal, deterministic, forward_spec, variant)
     plan = _plans.get(key)
     if plan is None:
         arch = KernelSpec.from_json(forward_spec).arch if forward_spec else device_arch(device)
-        specs = tuning.backward_specs(head_dim, DTYPES[dtype], causal, arch, deterministic)
+        specs = tuning.backward_specs(head_dim, DTYPES[dtype], causal, arch, deterministic, variant=variant)
         prep = tuning.backward_prep(head_dim, DTYPES[dtype], arch)
         scratch = [Scratch("delta", _stats), Scratch("lse_log2", _stats)]
         steps = [Launch(kernels.get(spec)) for spec in [prep, *specs]]
@@ -165,14 +168,15 @@ def backward(device: int, head_dim: int, dtype: torch.dtype, causal: bool, deter
 # ---- the plans of flashgen.attention_varlen ----------------------------------------------------
 
 
-def forward_varlen(device: int, head_dim: int, dtype: torch.dtype, causal: bool, max_seqlen_q: int, spec: str) -> Plan:
+def forward_varlen(device: int, head_dim: int, dtype: torch.dtype, causal: bool, max_seqlen_q: int, spec: str,
+                   variant: tuple[str, ...] = ()) -> Plan:
     """attention_varlen's forward: the kernel `spec` names, or the tables' varlen choice for the
     longest sequence's length."""
-    key = ("fwd_varlen", device, head_dim, dtype, causal, tuning.query_bucket(max_seqlen_q), spec)
+    key = ("fwd_varlen", device, head_dim, dtype, causal, tuning.query_bucket(max_seqlen_q), spec, variant)
     plan = _plans.get(key)
     if plan is None:
         chosen = KernelSpec.from_json(spec) if spec else tuning.forward_spec(
-            head_dim, DTYPES[dtype], causal, device_arch(device), max_seqlen_q, varlen=True
+            head_dim, DTYPES[dtype], causal, device_arch(device), max_seqlen_q, varlen=True, variant=variant
         )
         plan = _plans[key] = Plan((Launch(kernels.get(chosen)),), whole=True)
     return plan
@@ -184,14 +188,15 @@ def _varlen_stats(values: dict) -> tuple:
     return heads, padded_varlen(total_q, values["cu_seqlens_q"].shape[0] - 1)
 
 
-def backward_varlen(device: int, head_dim: int, dtype: torch.dtype, causal: bool, deterministic: bool, forward_spec: str) -> Plan:
+def backward_varlen(device: int, head_dim: int, dtype: torch.dtype, causal: bool, deterministic: bool, forward_spec: str,
+                    variant: tuple[str, ...] = ()) -> Plan:
     """attention_varlen's backward: backward()'s steps over packed sequences; the statistics are
     [heads, padded_q] and the fp32 dQ sum is [total_q, heads, head_dim], like q."""
-    key = ("bwd_varlen", device, head_dim, dtype, causal, deterministic, forward_spec)
+    key = ("bwd_varlen", device, head_dim, dtype, causal, deterministic, forward_spec, variant)
     plan = _plans.get(key)
     if plan is None:
         arch = KernelSpec.from_json(forward_spec).arch if forward_spec else device_arch(device)
-        specs = tuning.backward_specs(head_dim, DTYPES[dtype], causal, arch, deterministic, varlen=True)
+        specs = tuning.backward_specs(head_dim, DTYPES[dtype], causal, arch, deterministic, varlen=True, variant=variant)
         prep = tuning.backward_prep(head_dim, DTYPES[dtype], arch, varlen=True)
         scratch = [Scratch("delta", _varlen_stats), Scratch("lse_log2", _varlen_stats)]
         steps = [Launch(kernels.get(spec)) for spec in [prep, *specs]]

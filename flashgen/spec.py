@@ -75,6 +75,13 @@ class KernelSpec:
     varlen:     packed sequences of different lengths (flash_attn_varlen_func's layout): tensors are
                 (total_tokens, heads, d) and each sequence's rows are found through cu_seqlens
                 (templates/block_info.cuh.j2); blocks past a sequence's end exit at once.
+
+    The attention variants (FlashAttention's semantics; their values are kernel arguments, so one
+    kernel serves every window, cap and slope; see flashgen.variants):
+    window:     local attention: query i sees keys [i + Tk - Tq - left, i + Tk - Tq + right]
+                (right = 0 when causal); key tiles outside the window are skipped at both ends.
+    softcap:    scores become softcap * tanh(scores / softcap) (Gemma 2).
+    alibi:      adds -slope * |i + Tk - Tq - j| to the scores, slopes per head (or batch and head).
     """
 
     head_dim: int
@@ -88,6 +95,9 @@ class KernelSpec:
     kind: str = "fwd"
     persistent: bool = False
     varlen: bool = False
+    window: bool = False
+    softcap: bool = False
+    alibi: bool = False
 
     def __post_init__(self):
         from .families import KINDS
@@ -99,7 +109,7 @@ class KernelSpec:
             raise SpecError(f"kind={self.kind!r}: must be one of {', '.join(KINDS)}")
         if self.dtype not in DTYPES:
             raise SpecError(f"dtype={self.dtype!r}: must be one of {', '.join(DTYPES)}")
-        for field in ("causal", "persistent", "varlen"):
+        for field in ("causal", "persistent", "varlen", "window", "softcap", "alibi"):
             if not isinstance(getattr(self, field), bool):
                 raise SpecError(f"{field}={getattr(self, field)!r}: must be True or False")
         if self.arch not in SMEM_LIMIT:

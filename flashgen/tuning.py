@@ -23,7 +23,7 @@ from .spec import KernelSpec, SpecError, check_head_dim
 TABLE_PATH = Path(__file__).with_name("tuning.json")
 TABLE_ENV = "FLASHGEN_TUNING_TABLE"
 KEY_FIELDS = ("kind", "arch", "head_dim", "dtype", "causal", "bucket")
-OPTIONAL_FIELDS = ("varlen",)  # '*' where an entry leaves them out
+OPTIONAL_FIELDS = ("varlen", "variant")  # '*' where an entry leaves them out
 TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
 SHORT_QUERY = 64  # at or below this many query rows, 64-row blocks waste less work
 
@@ -75,7 +75,7 @@ def format_table(doc: dict) -> str:
     return f'{{\n "about": {json.dumps(doc["about"])},\n "entries": [\n{entries}\n ]\n}}\n'
 
 
-MATCHED = ("dtype", "causal", "bucket", "varlen")
+MATCHED = ("dtype", "causal", "bucket", "varlen", "variant")
 
 
 def _matches(entry: dict, problem: dict) -> bool:
@@ -89,10 +89,13 @@ def _exactness(entry: dict) -> int:
     return sum(entry.get(field, "*") != "*" for field in MATCHED) + ("*" not in entry["arch"])
 
 
-def candidates(kind: str, head_dim: int, dtype: str, causal: bool, arch: str, bucket: str, varlen: bool = False) -> list[dict]:
+def candidates(kind: str, head_dim: int, dtype: str, causal: bool, arch: str, bucket: str, varlen: bool = False,
+               variant: bool = False) -> list[dict]:
     """Tile shapes for a problem, best first: the entries of the smallest bound, more exact first
-    (overrides from `override` before all), then those of larger bounds as a fallback."""
-    problem = {"kind": kind, "dtype": dtype, "causal": causal, "arch": arch, "bucket": bucket, "varlen": varlen}
+    (overrides from `override` before all), then those of larger bounds as a fallback. `variant`:
+    the kernel has an attention variant (entries with "variant": true are for those alone)."""
+    problem = {"kind": kind, "dtype": dtype, "causal": causal, "arch": arch, "bucket": bucket, "varlen": varlen,
+               "variant": variant}
     entries = [e for e in _overrides + table()["entries"] if _matches(e, problem) and e["head_dim"] >= head_dim]
     entries.sort(key=lambda e: (e["head_dim"], e not in _overrides, -_exactness(e)))
     return [tiles for entry in entries for tiles in entry["tiles"]]
@@ -125,60 +128,72 @@ def reload() -> None:
 # ---- the choices -------------------------------------------------------------------------------
 
 
-def _first_valid(kind, head_dim, dtype, causal, arch, bucket="long", varlen=False) -> KernelSpec:
+def takes(kind: str, variant: tuple[str, ...]) -> bool:
+    """Whether kernels of `kind` build the variants named (spec fields: "window", "softcap", ...)."""
+    from .families import family
+
+    return set(variant) <= set(family(kind).fields)
+
+
+def _first_valid(kind, head_dim, dtype, causal, arch, bucket="long", varlen=False, variant=()) -> KernelSpec:
+    """The first of the table's tile shapes that makes a valid spec; `variant` names the variant
+    fields to set (the tiles are those of the plain kernel: a variant adds a few registers)."""
     check_head_dim(head_dim)  # a bad head dim is the problem, not the tiles
     error = None
-    for tiles in candidates(kind, head_dim, dtype, causal, arch, bucket, varlen):
+    for tiles in candidates(kind, head_dim, dtype, causal, arch, bucket, varlen, bool(variant)):
         if varlen and tiles.get("persistent"):
             tiles = {**tiles, "persistent": False}  # the varlen Hopper forward runs one tile per CTA
         try:
             return KernelSpec(head_dim=head_dim, dtype=dtype, causal=causal, arch=arch, kind=kind, **tiles,
-                              **({"varlen": True} if varlen else {}))
+                              **({"varlen": True} if varlen else {}), **dict.fromkeys(variant, True))
         except SpecError as rejected:
             error = rejected
     raise SpecError(f"no {kind} tile shape fits head_dim={head_dim} on {arch}: {error or 'the tuning table has no entry'}")
 
 
-def forward_spec(head_dim: int, dtype: str, causal: bool, arch: str, seqlen_q: int, varlen: bool = False) -> KernelSpec:
+def forward_spec(head_dim: int, dtype: str, causal: bool, arch: str, seqlen_q: int, varlen: bool = False,
+                 variant: tuple[str, ...] = ()) -> KernelSpec:
     """The forward kernel for a problem: the Hopper family on sm_90a, unless the query is short
-    (varlen: the longest sequence's query)."""
-    if arch == "sm_90a" and not query_bucket(seqlen_q):
-        return _first_valid("fwd_sm90", head_dim, dtype, causal, arch, "long", varlen)
-    return mma_forward_spec(head_dim, dtype, causal, arch, seqlen_q, varlen)
+    (varlen: the longest sequence's query) or the family does not build the variant."""
+    if arch == "sm_90a" and not query_bucket(seqlen_q) and takes("fwd_sm90", variant):
+        return _first_valid("fwd_sm90", head_dim, dtype, causal, arch, "long", varlen, variant)
+    return mma_forward_spec(head_dim, dtype, causal, arch, seqlen_q, varlen, variant)
 
 
-def mma_forward_spec(head_dim: int, dtype: str, causal: bool, arch: str, seqlen_q: int, varlen: bool = False) -> KernelSpec:
-    return _first_valid("fwd", head_dim, dtype, causal, arch, bucket_name(seqlen_q), varlen)
+def mma_forward_spec(head_dim: int, dtype: str, causal: bool, arch: str, seqlen_q: int, varlen: bool = False,
+                     variant: tuple[str, ...] = ()) -> KernelSpec:
+    return _first_valid("fwd", head_dim, dtype, causal, arch, bucket_name(seqlen_q), varlen, variant)
 
 
-def tuned_spec(kind: str | None, head_dim: int, dtype: str, causal: bool, arch: str) -> KernelSpec:
+def tuned_spec(kind: str | None, head_dim: int, dtype: str, causal: bool, arch: str, variant: tuple[str, ...] = ()) -> KernelSpec:
     """The table's spec of a kind for long sequences; kind None is the forward the tables pick.
-    (A decode kind: its spec for one query row; causal does not change a decode or merge kernel.)"""
+    (A decode kind: its spec for one query row; causal does not change a decode or merge kernel.)
+    `variant` names the variant fields to set."""
     if kind in DECODE_KINDS:
         return decode_spec(head_dim, dtype, arch, kind == "decode_paged", rows=1)
     if kind in MERGE_KINDS:
         return merge_spec(kind, head_dim, dtype, arch)
     if kind is None:
-        return forward_spec(head_dim, dtype, causal, arch, seqlen_q=4096)
+        return forward_spec(head_dim, dtype, causal, arch, seqlen_q=4096, variant=variant)
     if kind == "bwd_prep":
         return backward_prep(head_dim, dtype, arch)
-    return _first_valid(kind, head_dim, dtype, causal, arch)
+    return _first_valid(kind, head_dim, dtype, causal, arch, variant=variant)
 
 
-def backward_kinds(head_dim: int, arch: str, deterministic: bool, varlen: bool = False) -> list[str]:
+def backward_kinds(head_dim: int, arch: str, deterministic: bool, varlen: bool = False, variant: tuple[str, ...] = ()) -> list[str]:
     """The kinds of the backward kernels that run after the prep, in order (the Hopper family has
     no varlen layout yet)."""
-    if arch == "sm_90a" and head_dim <= HOPPER_BACKWARD_HEAD_DIM and not varlen:
-        return HOPPER_BACKWARD_KINDS[deterministic]
+    hopper = HOPPER_BACKWARD_KINDS[deterministic]
+    if arch == "sm_90a" and head_dim <= HOPPER_BACKWARD_HEAD_DIM and not varlen and all(takes(k, variant) for k in hopper):
+        return hopper
     return BACKWARD_KINDS[(128 if head_dim <= 128 else 256, deterministic)]
 
 
-def backward_specs(head_dim: int, dtype: str, causal: bool, arch: str, deterministic: bool, varlen: bool = False) -> list[KernelSpec]:
+def backward_specs(head_dim: int, dtype: str, causal: bool, arch: str, deterministic: bool, varlen: bool = False,
+                   variant: tuple[str, ...] = ()) -> list[KernelSpec]:
     """The backward kernels to run after the prep, in order."""
-    kinds = backward_kinds(head_dim, arch, deterministic, varlen)
-    if varlen:
-        return [_first_valid(kind, head_dim, dtype, causal, arch, varlen=True) for kind in kinds]
-    return [tuned_spec(kind, head_dim, dtype, causal, arch) for kind in kinds]
+    kinds = backward_kinds(head_dim, arch, deterministic, varlen, variant)
+    return [_first_valid(kind, head_dim, dtype, causal, arch, varlen=varlen, variant=variant) for kind in kinds]
 
 
 def backward_prep(head_dim: int, dtype: str, arch: str, varlen: bool = False) -> KernelSpec:

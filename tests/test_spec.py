@@ -114,6 +114,9 @@ ALTERNATIVE = {
     "kind": "bwd_q",
     "persistent": True,
     "varlen": True,
+    "window": True,
+    "softcap": True,
+    "alibi": True,
 }
 # Fields the mma.sync forward does not use change a spec of a family that does.
 BASE_FOR = {"persistent": KernelSpec(head_dim=64, block_m=128, block_n=128, kind="fwd_sm90")}

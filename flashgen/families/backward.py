@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from .. import variants
 from ..params import Params, pointer, scalar, strides, tensor
 from ..smem import Region, SmemLayout
 from ..spec import KernelSpec, SpecError
@@ -107,7 +108,8 @@ class _BackwardTiles(MmaTiles):
             *lengths,
             scalar("kv_group", "int", "q.shape[1] // k.shape[1]"),
             scalar("scale", "float"),
-            scalar("scale_log2", "float", "scale * LOG2E"),
+            scalar("scale_log2", "float", variants.scale_log2(spec)),
+            *variants.params(spec),
         ]
 
     def context(self, spec: KernelSpec) -> dict:
@@ -119,7 +121,7 @@ class KeyMajorBackward(_BackwardTiles):
     template = "attention_bwd.cu.j2"
     owner = "block_n"
     arguments = ("q", "k", "v", "d_o", "lse_log2", "delta", "dk", "dv", "dq_accum", "scale", "cu_seqlens_q", "cu_seqlens_k",
-                 "max_seqlen_k")
+                 "max_seqlen_k", *variants.ARGUMENTS)
     tune_space = {"block_m": (16, 32, 64, 128), "block_n": (64, 128), "num_warps": (4, 8), "num_stages": (2, 3)}
 
     @staticmethod
@@ -214,7 +216,8 @@ class QueryMajorBackward(_BackwardTiles):
     kinds = ("bwd_q",)
     template = "attention_bwd_q.cu.j2"
     owner = "block_m"
-    arguments = ("q", "k", "v", "d_o", "lse_log2", "delta", "dq", "scale", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q")
+    arguments = ("q", "k", "v", "d_o", "lse_log2", "delta", "dq", "scale", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
+                 *variants.ARGUMENTS)
     tune_space = {"block_m": (32, 64, 128), "block_n": (32, 64), "num_warps": (2, 4), "num_stages": (2,)}
 
     def accumulators(self, spec: KernelSpec) -> int:

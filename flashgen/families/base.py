@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .. import __version__
+from .. import __version__, variants
 from ..params import Params
 from ..smem import SmemLayout
 from ..spec import DEFAULTS, SMEM_LIMIT, KernelSpec, SpecError
@@ -26,7 +26,12 @@ NAME_PARTS = {
     "arch": None,  # sm_90a -> sm90a
     "persistent": None,  # "persistent", or nothing
     "varlen": None,  # "varlen", or nothing
+    "window": None,  # the variants: their names, or nothing
+    "softcap": None,
+    "alibi": None,
 }
+VARIANT_TEXT = {"window": ", sliding window", "softcap": ", soft-capped scores", "alibi": ", ALiBi"}  # for headers
+FLAGS = ("persistent", "varlen", "window", "softcap", "alibi")  # named when set
 
 
 class Family:
@@ -70,7 +75,7 @@ class Family:
                     parts.append("causal" if value else "full")
                 elif field == "arch":
                     parts.append(value.replace("_", ""))
-                elif field in ("persistent", "varlen"):
+                elif field in FLAGS:
                     parts += [field] if value else []
                 else:
                     parts.append(form.format(value))
@@ -89,7 +94,7 @@ class Family:
 
     def helpers(self, spec: KernelSpec) -> dict:
         """Functions the parameter expressions call (a tensor map encoder, say)."""
-        return {}
+        return dict(variants.HELPERS)
 
     def grid(self, spec: KernelSpec) -> str:
         """The grid (x, y, z) as an expression over the arguments: x counts tiles, y heads, z batches."""
@@ -106,6 +111,9 @@ class Family:
             "ptx_type": {"fp16": "f16", "bf16": "bf16"}[spec.dtype],
             "wgmma": False,
             "params": self.params(spec).signature(),
+            "mask_args": ", window_left, window_right" if spec.window else "",  # the Mask's runtime bounds
+            "score": spec.softcap or spec.alibi,  # the kernel has a score piece (templates/score.cuh.j2)
+            "variants_text": "".join(text for field, text in VARIANT_TEXT.items() if getattr(spec, field, False)),
             "smem_layout": self.smem(spec).cuda(),
         }
 
@@ -121,6 +129,12 @@ class Family:
 
 
 _packers: dict[tuple[str, str], object] = {}
+
+
+# Registers each variant takes from the accumulators' budget in the per-element loops (its bounds,
+# slope or cap, its indices). Where ptxas still spills, the tuning table's variant entries pick
+# smaller tiles (tests/test_variants.py compiles every pick).
+VARIANT_REGISTERS = 8
 
 
 class MmaTiles(Family):
@@ -148,11 +162,13 @@ class MmaTiles(Family):
                 f"warp owns {self.owner} / num_warps rows, which must be 16 or 32 "
                 f"({self.owner} in {{{16 * spec.num_warps}, {32 * spec.num_warps}}})"
             )
-        if self.accumulators(spec) > self.max_accumulators:
+        on = [field for field in variants.FIELDS if getattr(spec, field)]
+        limit = self.max_accumulators - VARIANT_REGISTERS * len(on)
+        if self.accumulators(spec) > limit:
             raise SpecError(
                 f"block_m={spec.block_m}, block_n={spec.block_n}, head_dim={spec.head_dim}, "
-                f"num_warps={spec.num_warps}: each thread would hold {self.accumulators(spec)} fp32 "
-                f"accumulators; at most {self.max_accumulators} fit in registers "
+                f"num_warps={spec.num_warps}{''.join(f', {field}=True' for field in on)}: each thread would hold "
+                f"{self.accumulators(spec)} fp32 accumulators; at most {limit} fit in registers "
                 f"(use smaller tiles, or more warps for the same tiles)"
             )
 

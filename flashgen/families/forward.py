@@ -4,22 +4,24 @@ newer."""
 
 from __future__ import annotations
 
+from .. import variants
 from ..params import Param, Params, pointer, scalar, tensor
 from ..smem import Region, SmemLayout
 from ..spec import KernelSpec
 from .base import MmaTiles
 
 
-def forward_outputs_and_sizes(varlen: bool = False) -> list[Param]:
+def forward_outputs_and_sizes(spec: KernelSpec) -> list[Param]:
     """What every forward kernel takes after its inputs: the optional lse, the lengths (varlen: the
-    sequences' offsets and the packed totals), the head counts, and the softmax scale in base 2 (the
-    softmax runs in base 2)."""
-    if varlen:
+    sequences' offsets and the packed totals), the head counts, the softmax scale in base 2 (the
+    softmax runs in base 2), and the values of the spec's variants."""
+    scale_log2 = scalar("scale_log2", "float", variants.scale_log2(spec))
+    if spec.varlen:
         return [
             pointer("lse", "float*", optional=True),  # [heads, total_q] fp32, or null
             *sequences(),
             scalar("kv_group", "int", "q.shape[1] // k.shape[1]"),
-            scalar("scale_log2", "float", "scale * LOG2E"),
+            scale_log2, *variants.params(spec),
         ]
     return [
         pointer("lse", "float*", optional=True),  # [batch, heads, seqlen_q] fp32, or null
@@ -27,7 +29,7 @@ def forward_outputs_and_sizes(varlen: bool = False) -> list[Param]:
         scalar("seqlen_k", "int", "k.shape[2]"),
         scalar("heads", "int", "q.shape[1]"),
         scalar("kv_group", "int", "q.shape[1] // k.shape[1]"),
-        scalar("scale_log2", "float", "scale * LOG2E"),
+        scale_log2, *variants.params(spec),
     ]
 
 
@@ -47,7 +49,7 @@ class MmaForward(MmaTiles):
     kinds = ("fwd",)
     template = "attention_fwd.cu.j2"
     owner = "block_m"
-    arguments = ("q", "k", "v", "o", "lse", "scale", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q")
+    arguments = ("q", "k", "v", "o", "lse", "scale", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", *variants.ARGUMENTS)
     forward = True
     tune_space = {"block_m": (64, 128), "block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3)}
 
@@ -63,7 +65,7 @@ class MmaForward(MmaTiles):
         dims = {"dims": PACKED} if spec.varlen else {}
         return Params(self.arguments, [
             *tensor("q", **dims), *tensor("k", **dims), *tensor("v", **dims), *tensor("o", const=False, **dims),
-            *forward_outputs_and_sizes(spec.varlen),
+            *forward_outputs_and_sizes(spec),
         ])
 
     def grid(self, spec: KernelSpec) -> str:

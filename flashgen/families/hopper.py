@@ -103,19 +103,19 @@ class HopperForward(Family):
                 tensormap("o_map", "tensor_map(o, 64)"),
                 # partial O tiles leave through plain clipped stores (o_ptr: `o` is the accumulator there)
                 Param("o_ptr", "elem_t* __restrict__", "ptr", "o.data_ptr()", "o"), *strides("o", "o", dims=PACKED),
-                *forward_outputs_and_sizes(varlen=True),
+                *forward_outputs_and_sizes(spec),
             ])
         return Params(self.arguments, [
             tensormap("q_map", f"tensor_map(q, {spec.block_m})"),
             tensormap("k_map", f"tensor_map(k, {spec.block_n})"),
             tensormap("v_map", f"tensor_map(v, {spec.block_n})"),
             tensormap("o_map", "tensor_map(o, 64)"),
-            *forward_outputs_and_sizes(),
+            *forward_outputs_and_sizes(spec),
             *([scalar("num_tiles", "int", self._tiles(spec))] if spec.persistent else []),
         ])
 
     def helpers(self, spec: KernelSpec) -> dict:
-        return {"tensor_map": _tensor_map, "sm_count": _sm_count}
+        return {**super().helpers(spec), "tensor_map": _tensor_map, "sm_count": _sm_count}
 
     @staticmethod
     def _tiles(spec: KernelSpec) -> str:

@@ -1,0 +1,120 @@
+"""Attention variants: sliding windows, logit soft-capping and ALiBi, with FlashAttention's names
+and semantics.
+
+A variant has two halves. Its spec field (`window`, `softcap`, `alibi`) renders the code: the
+window's tests into the mask piece (templates/mask.cuh.j2), the cap and the bias into the score
+piece (templates/score.cuh.j2); a spec without one renders no trace of it. Its values (the window's
+bounds, the cap, the slopes) are kernel arguments, so one compiled kernel serves every window,
+cap and slope. `Variant` is one call's values, checked, and what the plans and launches read.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .params import Param, pointer, scalar
+
+FIELDS = ("window", "softcap", "alibi")  # the spec fields
+ARGUMENTS = ("window_left", "window_right", "softcap", "alibi_slopes")  # the kernels' named arguments
+UNBOUNDED = 1 << 30  # a window side without bound, as the kernel takes it (no sequence is this long)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One call's variants. window_left / window_right: -1 = unbounded; with causal, the right
+    side is 0 (FlashAttention's rule). softcap: 0 = none. alibi: slopes are passed (the tensor
+    travels with the call's values, not here)."""
+
+    window_left: int = -1
+    window_right: int = -1
+    softcap: float = 0.0
+    alibi: bool = False
+
+    @property
+    def window(self) -> bool:
+        return (self.window_left, self.window_right) != (-1, -1)
+
+    @property
+    def fields(self) -> dict:
+        """The spec fields this variant sets (only those that are on: the plain spec stays plain)."""
+        on = {"window": self.window, "softcap": self.softcap > 0, "alibi": self.alibi}
+        return {field: True for field, value in on.items() if value}
+
+    def values(self) -> dict:
+        """The kernels' named arguments, less the slopes tensor."""
+        return {"window_left": self.window_left, "window_right": self.window_right, "softcap": self.softcap}
+
+
+PLAIN = Variant()
+
+
+def make(causal: bool, window_size, softcap, alibi_slopes, batch: int, heads: int, device) -> Variant:
+    """Check a call's variant arguments (named in every error) and normalize them: causal caps the
+    window's right side at 0, and a window that bounds nothing is no window (causal alone, or
+    nothing)."""
+    try:
+        left, right = (int(x) for x in window_size)
+        ok = len(tuple(window_size)) == 2 and all(int(x) == x for x in window_size)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok or left < -1 or right < -1 or max(left, right) >= UNBOUNDED:
+        raise ValueError(
+            f"window_size={window_size!r}: must be (left, right), two ints >= -1 (-1 = unbounded) below {UNBOUNDED}"
+        )
+    if causal:
+        right = 0
+        if left == -1:
+            right = -1  # causal alone: the causal mask, no window
+    softcap = float(softcap or 0.0)
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap={softcap}: must be a finite number >= 0 (0 = no soft-capping)")
+    if alibi_slopes is not None:
+        check_slopes(alibi_slopes, batch, heads, device)
+    return Variant(left, right, softcap, alibi_slopes is not None)
+
+
+def check_slopes(slopes, batch: int, heads: int, device) -> None:
+    import torch  # here: the CLI imports this module and must not pay for torch
+
+    if not isinstance(slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a torch.Tensor, got {type(slopes).__name__}")
+    if slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes has dtype {slopes.dtype}; it must be torch.float32 (FlashAttention's rule)")
+    if tuple(slopes.shape) not in ((heads,), (batch, heads)):
+        raise ValueError(f"alibi_slopes has shape {tuple(slopes.shape)}; it must be ({heads},) or ({batch}, {heads})")
+    if slopes.stride(-1) != 1:
+        raise ValueError("alibi_slopes' last dimension must be contiguous (stride 1)")
+    if slopes.device != device:
+        raise ValueError(f"alibi_slopes is on {slopes.device}, the inputs on {device}: they must be on one device")
+
+
+def window_bound(side: int) -> int:
+    """A window side as the kernel takes it: no bound is a bound no key reaches."""
+    return UNBOUNDED if side < 0 else side
+
+
+def params(spec) -> list[Param]:
+    """The kernel parameters of the spec's variants, after its others (an empty list for a plain
+    spec). The softmax's own scale_log2 changes with softcap: see scale_log2()."""
+    out = []
+    if spec.window:
+        out += [scalar("window_left", "int", "window_bound(window_left)"),
+                scalar("window_right", "int", "window_bound(window_right)")]
+    if spec.softcap:
+        out.append(scalar("softcap_scale", "float", "scale / softcap"))  # raw score -> tanh's argument
+    if spec.alibi:
+        out += [pointer("alibi_slopes", "const float*"),
+                scalar("alibi_batch_stride", "int", "alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0"),
+                # slopes in the units of the value the softmax takes (score.cuh.j2)
+                scalar("alibi_scale", "float", "1.0 / softcap" if spec.softcap else "1.0 / scale")]
+    return out
+
+
+def scale_log2(spec) -> str:
+    """The host expression of the softmax's scale_log2, which turns the value the score piece
+    leaves (the raw score; with softcap, tanh of the scaled one) into a base-2 logit."""
+    return "softcap * LOG2E" if spec.softcap else "scale * LOG2E"
+
+
+HELPERS = {"window_bound": window_bound}

@@ -1,0 +1,176 @@
+"""GPU tier: the attention variants (sliding window, softcap, ALiBi) forward and backward against the
+fp32 oracle, by the numerics rule: max|x - ref| <= c * max|x_lp - ref| + 1e-5, x_lp the same
+computation in the inputs' dtype (c = 2 for the output, 3 for gradients)."""
+
+import pytest
+import torch
+
+import flashgen
+from flashgen import tuning
+from flashgen.plans import device_arch
+from flashgen.reference import naive_attention
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def make_qkv(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, dtype, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(batch, heads, seqlen_q, head_dim, device="cuda", dtype=dtype, generator=gen)
+    k = torch.randn(batch, kv_heads, seqlen_k, head_dim, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn(batch, kv_heads, seqlen_k, head_dim, device="cuda", dtype=dtype, generator=gen)
+    return q, k, v
+
+
+def slopes_for(batch, heads, per_batch=False):
+    """ALiBi's geometric slopes (2^(-8 i / heads)), varied per batch when asked."""
+    base = torch.tensor([2 ** (-8 * (i + 1) / heads) for i in range(heads)], device="cuda")
+    return torch.stack([base * (1 + 0.5 * b) for b in range(batch)]) if per_batch else base
+
+
+def run_both(q, k, v, causal, variant, deterministic=False, grad=True):
+    """(ours, exact, low-precision): each (out, dq, dk, dv), or (out,) without grad."""
+    gen = torch.Generator(device="cuda").manual_seed(20261203)
+    d_o = torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=gen)
+
+    def go(fn):
+        leaves = [t.detach().clone().requires_grad_(grad) for t in (q, k, v)]
+        out = fn(*leaves)
+        if not grad:
+            return (out.detach(),)
+        out.backward(d_o)
+        return (out.detach(), *(t.grad for t in leaves))
+
+    ours = go(lambda q, k, v: flashgen.attention(q, k, v, causal=causal, deterministic=deterministic, **variant))
+    exact = go(lambda q, k, v: naive_attention(q, k, v, causal=causal, **variant)[0])
+    low = go(lambda q, k, v: naive_attention(q, k, v, causal=causal, upcast=False, **variant)[0])
+    return ours, exact, low
+
+
+def check(q, k, v, causal, variant, deterministic=False, grad=True):
+    ours, exact, low = run_both(q, k, v, causal, variant, deterministic, grad)
+    for name, mine, ref, lowp in zip(("out", "dq", "dk", "dv"), ours, exact, low):
+        assert mine.shape == ref.shape and mine.dtype == q.dtype, name
+        assert not mine.isnan().any(), f"NaN in {name}"
+        err = (mine.float() - ref.float()).abs().max().item()
+        bound = (2 if name == "out" else 3) * (lowp.float() - ref.float()).abs().max().item() + 1e-5
+        assert err <= bound, f"{name}: max error {err:.3e} > bound {bound:.3e}"
+    return ours
+
+
+VARIANTS = {
+    "window": dict(window_size=(100, 37)),
+    "window_left": dict(window_size=(300, -1)),
+    "window_right": dict(window_size=(-1, 5)),
+    "window_zero": dict(window_size=(0, 0)),
+    "softcap": dict(softcap=5.0),
+    "softcap_loose": dict(softcap=50.0),
+    "window_softcap": dict(window_size=(128, 0), softcap=30.0),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_variant_matches_reference(head_dim, name, causal, dtype):
+    q, k, v = make_qkv(2, 4, 2, 555, 555, head_dim, DTYPES[dtype], seed=head_dim)
+    check(q, k, v, causal, VARIANTS[name])
+
+
+@pytest.mark.parametrize("per_batch", [False, True], ids=["heads", "batch_heads"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_alibi_matches_reference(head_dim, causal, per_batch):
+    q, k, v = make_qkv(2, 4, 4, 300, 300, head_dim, torch.bfloat16, seed=7)
+    check(q, k, v, causal, dict(alibi_slopes=slopes_for(2, 4, per_batch)))
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 700), (129, 700), (700, 129), (17, 17), (1000, 1023)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_everything_together_for_different_lengths(seqlen_q, seqlen_k, causal):
+    """Tq != Tk aligns the window bottom-right, like causal; GQA 4:1; every variant at once."""
+    q, k, v = make_qkv(2, 8, 2, seqlen_q, seqlen_k, 96, torch.float16, seed=seqlen_q)
+    variant = dict(window_size=(200, 64), softcap=20.0, alibi_slopes=slopes_for(2, 8, per_batch=True))
+    check(q, k, v, causal, variant)
+
+
+@pytest.mark.parametrize("head_dim", tuning.TEST_HEAD_DIMS)
+def test_every_head_dim(head_dim):
+    q, k, v = make_qkv(1, 2, 1, 300, 333, head_dim, torch.bfloat16, seed=head_dim)
+    check(q, k, v, True, dict(window_size=(96, -1), softcap=30.0, alibi_slopes=slopes_for(1, 2)))
+
+
+def test_deterministic_gradients_are_bitwise_reproducible_and_exact():
+    q, k, v = make_qkv(2, 4, 2, 400, 400, 128, torch.bfloat16, seed=3)
+    variant = dict(window_size=(64, 64), softcap=10.0, alibi_slopes=slopes_for(2, 4))
+    first = check(q, k, v, False, variant, deterministic=True)
+    again, _, _ = run_both(q, k, v, False, variant, deterministic=True)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+
+
+def test_a_row_whose_window_holds_no_key_is_zero_with_lse_minus_inf():
+    """Tq > Tk with a left bound of 0: the first Tq - Tk rows sit before every key."""
+    q, k, v = make_qkv(1, 1, 1, 64, 16, 64, torch.bfloat16)
+    out, lse = flashgen.attention(q, k, v, window_size=(0, 0), return_lse=True)
+    ref, ref_lse = naive_attention(q, k, v, window_size=(0, 0))
+    assert torch.equal(lse.isinf(), ref_lse.isinf()) and lse.isinf().any()
+    assert (out[..., :48, :] == 0).all()
+    assert (out.float() - ref.float()).abs().max().item() < 2e-2
+
+
+def test_softcap_lse_is_of_the_capped_scores():
+    q, k, v = make_qkv(1, 2, 2, 200, 200, 64, torch.bfloat16)
+    q = q * 4  # large scores, where the cap matters
+    _, lse = flashgen.attention(q, k, v, softcap=3.0, return_lse=True)
+    _, ref_lse = naive_attention(q, k, v, softcap=3.0)
+    assert (lse - ref_lse).abs().max().item() < 1e-2
+
+
+def test_variant_kernels_are_the_tables_tiles_with_the_variant_set():
+    from flashgen import plans
+
+    q, k, v = make_qkv(1, 2, 2, 256, 256, 64, torch.bfloat16)
+    flashgen.attention(q, k, v, causal=True, window_size=(32, -1), softcap=5.0)
+    spec = plans.forward(0, 64, torch.bfloat16, True, 256, "", ("window", "softcap")).kernels[0].spec
+    assert spec.window and spec.softcap and not spec.alibi and spec.causal
+    plain = tuning.forward_spec(64, "bf16", True, device_arch(0), 256, variant=("window", "softcap"))
+    assert spec == plain
+
+
+def test_cuda_graph_replays_a_new_window_and_cap():
+    """Window bounds and the cap are kernel arguments: a captured call replays with the values it
+    was captured with, and a new call with new values needs no new kernel."""
+    q, k, v = make_qkv(1, 2, 2, 256, 256, 64, torch.bfloat16)
+    flashgen.attention(q, k, v, window_size=(16, 16), softcap=4.0)  # compile and warm up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flashgen.attention(q, k, v, window_size=(16, 16), softcap=4.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = naive_attention(q, k, v, window_size=(16, 16), softcap=4.0)[0]
+    assert (out.float() - ref.float()).abs().max().item() < 2e-2
+    other = flashgen.attention(q, k, v, window_size=(40, 3), softcap=9.0)
+    ref = naive_attention(q, k, v, window_size=(40, 3), softcap=9.0)[0]
+    assert (other.float() - ref.float()).abs().max().item() < 2e-2
+
+
+def test_torch_compile_fullgraph_with_variants():
+    q, k, v = make_qkv(1, 4, 2, 300, 300, 64, torch.bfloat16)
+    slopes = slopes_for(1, 4)
+
+    @torch.compile(fullgraph=True)
+    def block(q, k, v):
+        return flashgen.attention(q, k, v, causal=True, window_size=(64, -1), softcap=8.0, alibi_slopes=slopes)
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = block(*leaves)
+    out.sum().backward()
+    eager = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = flashgen.attention(*eager, causal=True, window_size=(64, -1), softcap=8.0, alibi_slopes=slopes)
+    ref.sum().backward()
+    torch.testing.assert_close(out, ref)
+    for a, b in zip(leaves, eager):
+        torch.testing.assert_close(a.grad, b.grad)

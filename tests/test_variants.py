@@ -1,0 +1,146 @@
+"""The attention variants with no GPU: the checks and the normalization of their arguments, the
+specs that carry them, code that holds each variant only when its spec asks, and every family that
+builds them compiling them without spills."""
+
+import pytest
+import torch
+
+from flashgen import tuning, variants
+from flashgen.compile import compile_source
+from flashgen.render import render
+from flashgen.spec import KernelSpec, SpecError
+
+
+def make(causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, batch=2, heads=4):
+    return variants.make(causal, window_size, softcap, alibi_slopes, batch, heads, torch.device("cpu"))
+
+
+def test_plain_arguments_are_no_variant():
+    assert make() == variants.PLAIN and make().fields == {}
+    assert make(causal=True) == variants.PLAIN  # causal alone is the causal mask, not a window
+    assert make(causal=True, window_size=(-1, 7)) == variants.PLAIN  # causal caps the right side
+
+
+def test_causal_caps_the_window_at_the_diagonal():
+    chosen = make(causal=True, window_size=(128, 64))
+    assert (chosen.window_left, chosen.window_right) == (128, 0) and chosen.fields == {"window": True}
+
+
+def test_each_variant_sets_its_field():
+    slopes = torch.ones(4)
+    assert make(window_size=(-1, 3)).fields == {"window": True}
+    assert make(softcap=30.0).fields == {"softcap": True}
+    assert make(alibi_slopes=slopes).fields == {"alibi": True}
+    assert make(window_size=(5, 5), softcap=1.0, alibi_slopes=slopes).fields == {"window": True, "softcap": True, "alibi": True}
+
+
+@pytest.mark.parametrize("window", [(1,), (1, 2, 3), (-2, 0), (0, -5), ("a", 1), (1.5, 2), (1 << 30, 0), None])
+def test_a_bad_window_is_refused_by_name(window):
+    with pytest.raises(ValueError, match="window_size"):
+        make(window_size=window)
+
+
+@pytest.mark.parametrize("softcap", [-1.0, float("inf"), float("nan")])
+def test_a_bad_softcap_is_refused_by_name(softcap):
+    with pytest.raises(ValueError, match="softcap"):
+        make(softcap=softcap)
+
+
+@pytest.mark.parametrize("slopes, error", [
+    (torch.ones(4, dtype=torch.float16), TypeError),
+    (torch.ones(3), ValueError),
+    (torch.ones(2, 3), ValueError),
+    (torch.ones(1, 2, 4), ValueError),
+    (torch.ones(8)[::2], ValueError),
+    ([1.0] * 4, TypeError),
+])
+def test_bad_slopes_are_refused_by_name(slopes, error):
+    with pytest.raises(error, match="alibi_slopes"):
+        make(alibi_slopes=slopes)
+
+
+def test_slopes_per_batch_and_head_are_taken():
+    assert make(alibi_slopes=torch.ones(2, 4)).alibi
+
+
+# ---- specs and code ----------------------------------------------------------------------------
+
+MMA_KINDS = ("fwd", "bwd_kvq", "bwd_kv", "bwd_kq", "bwd_k", "bwd_v", "bwd_q")
+
+
+def test_the_name_says_which_variants_a_kernel_has():
+    spec = KernelSpec(head_dim=64, causal=True, window=True, softcap=True, alibi=True)
+    assert spec.name.endswith("_causal_w4_s2_sm90a_window_softcap_alibi")
+    assert KernelSpec(head_dim=64).name.endswith("_sm90a")
+
+
+def test_families_that_do_not_build_a_variant_refuse_it():
+    with pytest.raises(SpecError, match="window"):
+        KernelSpec(head_dim=64, kind="bwd_prep", window=True)
+
+
+@pytest.mark.parametrize("kind", MMA_KINDS)
+def test_a_plain_spec_renders_no_trace_of_the_variants(kind):
+    source = render(tuning.tuned_spec(kind, 64, "bf16", True, "sm_80"))
+    for word in ("window_", "sliding", "softcap", "alibi", "tanh", "struct Score", "slope"):
+        assert word not in source, word
+
+
+@pytest.mark.parametrize("kind", MMA_KINDS)
+def test_each_variant_renders_only_its_own_code(kind):
+    window, softcap, alibi = (render(tuning.tuned_spec(kind, 64, "bf16", False, "sm_80", (field,))) for field in variants.FIELDS)
+    assert "int window_left, int window_right" in window and "tanh" not in window and "alibi" not in window
+    assert "tanh.approx.f32" in softcap and "softcap_scale" in softcap and "window_" not in softcap and "alibi" not in softcap
+    assert "alibi_slopes" in alibi and "tanh" not in alibi and "window_" not in alibi
+
+
+def test_the_backward_multiplies_the_caps_derivative_into_ds_and_alibi_does_not():
+    softcap, alibi = (render(tuning.tuned_spec("bwd_kvq", 64, "bf16", False, "sm_80", (field,))) for field in ("softcap", "alibi"))
+    assert "* grad;" in softcap
+    assert "grad" not in alibi.split("struct Score")[1].split("\n};")[1]
+
+
+def test_softcap_changes_the_softmax_scale_the_host_passes():
+    plain = KernelSpec(head_dim=64)
+    capped = plain.replace(softcap=True)
+    value = {p.name: p.value for p in capped.family.params(capped).params}
+    assert value["scale_log2"] == "softcap * LOG2E" and value["softcap_scale"] == "scale / softcap"
+    assert {p.name: p.value for p in plain.family.params(plain).params}["scale_log2"] == "scale * LOG2E"
+
+
+def test_the_window_bounds_are_packed_as_the_kernel_takes_them():
+    spec = KernelSpec(head_dim=64, kind="fwd", window=True)
+    pack = spec.family.packer(spec)
+    assert {"window_left", "window_right"} <= set(pack.arguments)
+    assert variants.window_bound(-1) == variants.UNBOUNDED and variants.window_bound(7) == 7
+
+
+def test_the_tables_fall_back_to_the_family_that_builds_the_variant():
+    hopper = tuning.forward_spec(128, "bf16", True, "sm_90a", 4096)
+    for field in variants.FIELDS:
+        chosen = tuning.forward_spec(128, "bf16", True, "sm_90a", 4096, variant=(field,))
+        assert getattr(chosen, field)
+        if not tuning.takes(hopper.kind, (field,)):
+            assert chosen.kind == "fwd"
+        for spec in tuning.backward_specs(128, "bf16", True, "sm_90a", False, variant=(field,)):
+            assert getattr(spec, field)
+
+
+ALL = ("window", "softcap", "alibi")
+# The tables' picks with every variant on (the most registers), on both targets and every head dim,
+# and with each one alone at the common head dims.
+VARIANT_SPECS = list(dict.fromkeys(
+    spec
+    for arch in ("sm_90a", "sm_80")
+    for head_dim in tuning.TEST_HEAD_DIMS
+    for causal, fields in ((True, ALL), (False, ALL), *(((False, (f,)) for f in ALL) if head_dim in (64, 128) else ()))
+    for spec in [tuning.forward_spec(head_dim, "bf16", causal, arch, 4096, variant=fields),
+                 *(s for det in (False, True) for s in tuning.backward_specs(head_dim, "bf16", causal, arch, det, variant=fields))]
+    if arch == "sm_90a" or head_dim in (64, 128)
+))
+
+
+@pytest.mark.parametrize("spec", VARIANT_SPECS, ids=lambda spec: spec.name)
+def test_variant_kernels_compile_without_spills(spec):
+    binary = compile_source(spec, render(spec))
+    assert binary.resources.spills == 0 and binary.resources.stack_frame == 0, binary.log
