@@ -20,6 +20,8 @@ _EXPORTS = {
     "attention_varlen": "varlen",
     "attention_with_kvcache": "serving",
     "merge_attention_states": "serving",
+    "ScoreMod": "modifiers",
+    "MaskMod": "modifiers",
     "CacheError": "cache",
     "KernelCache": "cache",
     "CompileError": "compile",
@@ -33,8 +35,8 @@ _EXPORTS = {
     "SpecError": "spec",
 }
 _SUBMODULES = (
-    "aot", "api", "bench", "cache", "check", "cli", "compile", "families", "kernels", "params", "plans",
-    "reference", "render", "runtime", "serving", "smem", "spec", "tuning", "varlen",
+    "aot", "api", "bench", "blockmask", "cache", "check", "cli", "compile", "families", "kernels", "modifiers", "params",
+    "plans", "reference", "render", "runtime", "serving", "smem", "spec", "tuning", "variants", "varlen",
 )
 
 __all__ = sorted(_EXPORTS) + ["reference"]

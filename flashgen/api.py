@@ -12,7 +12,8 @@ import math
 
 import torch
 
-from . import plans, variants
+from . import modifiers, plans, variants
+from .blockmask import BlockMasks
 from .compile import NoJitError  # noqa: F401  (re-exported: flashgen.NoJitError)
 from .plans import DTYPES
 from .spec import HEAD_DIM_RULE, KernelSpec
@@ -30,17 +31,32 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def _variant_values(window_left, window_right, softcap, alibi_slopes) -> tuple[tuple[str, ...], dict]:
-    """The variant fields a call's kernels have, and the values they take (flashgen.variants)."""
-    variant = variants.Variant(window_left, window_right, softcap, alibi_slopes is not None)
-    return tuple(variant.fields), {**variant.values(), "alibi_slopes": alibi_slopes}
+# A call's variant travels as these arguments of the ops, after `deterministic`; PLAIN_ARGS are a
+# plain call's (the eager path passes none at all).
+VARIANT_ARGS = ("window_left", "window_right", "softcap", "alibi_slopes", "score_mod", "score_mod_tensors", "mask_mod",
+                "mask_mod_tensors")
+PLAIN_ARGS = (-1, -1, 0.0, None, "", [], "", [])
 
 
-def forward_impl(q, k, v, causal: bool, scale: float, kernel: str, need_lse: bool = True,
-                 window_left: int = -1, window_right: int = -1, softcap: float = 0.0, alibi_slopes=None):
+def _variant_values(q, k, causal, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, score_mod="",
+                    score_mod_tensors=None, mask_mod="", mask_mod_tensors=None) -> tuple[tuple, dict]:
+    """The variant of a call's kernels (tuning.variant_fields' form) and the values they take
+    (flashgen.variants, flashgen.modifiers; the arguments are already checked)."""
+    flags = variants.Variant(window_left, window_right, softcap, alibi_slopes is not None)
+    variant = (*flags.fields, *((("score_mod", score_mod),) if score_mod else ()), *((("mask_mod", mask_mod),) if mask_mod else ()))
+    values = {**flags.values(), "alibi_slopes": alibi_slopes, "score_mod_tensors": list(score_mod_tensors or ()),
+              "mask_mod_tensors": list(mask_mod_tensors or ())}
+    if mask_mod:
+        rule = modifiers.Rule(mask_mod, values["mask_mod_tensors"])
+        values["block_masks"] = BlockMasks(rule, causal, (window_left, window_right), q.shape[0], q.shape[1], q.shape[2],
+                                           k.shape[2], q.device, plans.device_arch(q.get_device()))
+    return variant, values
+
+
+def forward_impl(q, k, v, causal: bool, scale: float, kernel: str, need_lse: bool = True, *variant):
     """(o, lse) by the forward plan; lse is None when not needed (the kernel then skips it).
-    `kernel` is the canonical text of the spec to run, or "" for the tables' choice; the variant
-    arguments are flashgen.variants' (already checked)."""
+    `kernel` is the canonical text of the spec to run, or "" for the tables' choice; `variant` the
+    VARIANT_ARGS, already checked (none: plain)."""
     batch, heads, seqlen_q, head_dim = q.shape
     o = torch.empty_like(q)
     lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device) if need_lse else None
@@ -50,16 +66,16 @@ def forward_impl(q, k, v, causal: bool, scale: float, kernel: str, need_lse: boo
         return o.zero_(), None if lse is None else lse.fill_(-math.inf)
     device = q.get_device()
     values = {"q": _aligned(q), "k": _aligned(k), "v": _aligned(v), "o": o, "lse": lse, "scale": scale}
-    variant = ()
-    if window_left != -1 or window_right != -1 or softcap or alibi_slopes is not None:
-        variant, more = _variant_values(window_left, window_right, softcap, alibi_slopes)
+    fields = ()
+    if variant and variant != PLAIN_ARGS:
+        fields, more = _variant_values(q, k, causal, *variant)
         values.update(more)
-    plans.forward(device, head_dim, q.dtype, causal, seqlen_q, kernel, variant).run(device, values)
+    plans.forward(device, head_dim, q.dtype, causal, seqlen_q, kernel, fields).run(device, values)
     return o, lse
 
 
 def backward_impl(d_o, q, k, v, o, lse, d_lse, causal: bool, scale: float, deterministic: bool, kernel: str = "",
-                  window_left: int = -1, window_right: int = -1, softcap: float = 0.0, alibi_slopes=None):
+                  *variant):
     """(dq, dk, dv) from the forward's inputs, output and log-sum-exp; P is recomputed. `kernel`
     is the forward's spec (canonical text, or ""): the backward compiles for its target."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
@@ -68,27 +84,27 @@ def backward_impl(d_o, q, k, v, o, lse, d_lse, causal: bool, scale: float, deter
     device = q.get_device()
     values = {name: _aligned(t) for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("d_o", d_o))}
     values.update(lse=lse.contiguous(), d_lse=None if d_lse is None else d_lse.contiguous(), dq=dq, dk=dk, dv=dv, scale=scale)
-    variant = ()
-    if window_left != -1 or window_right != -1 or softcap or alibi_slopes is not None:
-        variant, more = _variant_values(window_left, window_right, softcap, alibi_slopes)
+    fields = ()
+    if variant and variant != PLAIN_ARGS:
+        fields, more = _variant_values(q, k, causal, *variant)
         values.update(more)
-    plans.backward(device, q.shape[3], q.dtype, causal, deterministic, kernel, variant).run(device, values)
+    plans.backward(device, q.shape[3], q.dtype, causal, deterministic, kernel, fields).run(device, values)
     return dq, dk, dv
 
 
 @torch.library.custom_op("flashgen::attention_fwd", mutates_args=(), device_types="cuda")
 def attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, kernel: str,
-    deterministic: bool, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool, window_left: int, window_right: int, softcap: float, alibi_slopes: torch.Tensor | None,
+    score_mod: str, score_mod_tensors: list[torch.Tensor], mask_mod: str, mask_mod_tensors: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse). `deterministic` only chooses the backward kernels (the forward always is)."""
-    return forward_impl(q, k, v, causal, scale, kernel, True, window_left, window_right, softcap, alibi_slopes)
+    return forward_impl(q, k, v, causal, scale, kernel, True, window_left, window_right, softcap, alibi_slopes,
+                        score_mod, score_mod_tensors, mask_mod, mask_mod_tensors)
 
 
 @attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, causal, scale, kernel, deterministic, window_left=-1, window_right=-1, softcap=0.0,
-                        alibi_slopes=None):
+def _attention_fwd_fake(q, k, v, causal, scale, kernel, deterministic, *variant):
     batch, heads, seqlen_q, _ = q.shape
     return torch.empty_like(q), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
 
@@ -97,17 +113,16 @@ def _attention_fwd_fake(q, k, v, causal, scale, kernel, deterministic, window_le
 def attention_bwd(
     d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
     lse: torch.Tensor, d_lse: torch.Tensor | None, causal: bool, scale: float, deterministic: bool,
-    kernel: str, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-    alibi_slopes: torch.Tensor | None = None,
+    kernel: str, window_left: int, window_right: int, softcap: float, alibi_slopes: torch.Tensor | None,
+    score_mod: str, score_mod_tensors: list[torch.Tensor], mask_mod: str, mask_mod_tensors: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) from the forward's inputs, output and log-sum-exp; P is recomputed."""
-    return backward_impl(d_o, q, k, v, o, lse, d_lse, causal, scale, deterministic, kernel,
-                         window_left, window_right, softcap, alibi_slopes)
+    return backward_impl(d_o, q, k, v, o, lse, d_lse, causal, scale, deterministic, kernel, window_left, window_right,
+                         softcap, alibi_slopes, score_mod, score_mod_tensors, mask_mod, mask_mod_tensors)
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(d_o, q, k, v, o, lse, d_lse, causal, scale, deterministic, kernel, window_left=-1,
-                        window_right=-1, softcap=0.0, alibi_slopes=None):
+def _attention_bwd_fake(d_o, q, k, v, o, lse, d_lse, causal, scale, deterministic, kernel, *variant):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
 
 
@@ -124,7 +139,7 @@ def _backward(ctx, d_o, d_lse, backward=attention_bwd):
     if d_o is None:
         d_o = torch.zeros_like(o)
     dq, dk, dv = backward(d_o, q, k, v, o, lse, d_lse, ctx.causal, ctx.scale, ctx.deterministic, ctx.kernel, *ctx.variant)
-    return dq, dk, dv, None, None, None, None, *(None for _ in ctx.variant)  # no gradient for the slopes
+    return dq, dk, dv, None, None, None, None, *(None for _ in ctx.variant)  # none for slopes or a rule's tensors
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -151,7 +166,7 @@ def run_attention(q, k, v, causal: bool, scale: float, kernel: str, deterministi
     gradient and with need_lse=False, lse is None and never computed. `variant` is () or
     (window_left, window_right, softcap, alibi_slopes), checked."""
     if torch.compiler.is_compiling():
-        return attention_fwd(q, k, v, causal, scale, kernel, deterministic, *variant)
+        return attention_fwd(q, k, v, causal, scale, kernel, deterministic, *(variant or PLAIN_ARGS))
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _EagerAttention.apply(q, k, v, causal, scale, kernel, deterministic, *variant)
     return forward_impl(q, k, v, causal, scale, kernel, need_lse, *variant)
@@ -239,7 +254,8 @@ def softmax_scale(scale, head_dim: int) -> float:
 def attention(
     q, k, v, *, causal: bool = False, scale: float | None = None, return_lse: bool = False,
     deterministic: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-    alibi_slopes: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None, score_mod: modifiers.ScoreMod | None = None,
+    mask_mod: modifiers.MaskMod | None = None,
 ):
     """Exact softmax(q k^T * scale) v without materializing the scores; differentiable.
 
@@ -261,13 +277,36 @@ def attention(
     tiles outside the window are never visited; softcap > 0 makes the scores
     softcap * tanh(s / softcap); alibi_slopes, fp32 of shape (H,) or (B, H), adds
     -slope * |i' - j|. They combine, and all are differentiable (no gradient for the slopes).
+
+    User rules (flashgen.ScoreMod, flashgen.MaskMod: a CUDA expression and its Python twin, compiled
+    into the kernel): score_mod rewrites each score after the variants; mask_mod drops keys, and
+    key tiles where it keeps none are never visited (a block mask, made once per shape for a rule
+    that reads no tensor, per call otherwise). No gradient flows into a rule's tensors.
     """
     return call(q, k, v, causal, scale, return_lse, deterministic, window_size=window_size, softcap=softcap,
-                alibi_slopes=alibi_slopes)
+                alibi_slopes=alibi_slopes, score_mod=score_mod, mask_mod=mask_mod)
+
+
+def call_variant(q, causal, window_size, softcap, alibi_slopes, score_mod, mask_mod) -> tuple:
+    """A call's variant arguments, checked, as the ops take them (VARIANT_ARGS), or () when plain."""
+    chosen = variants.make(causal, window_size, softcap, alibi_slopes, q.shape[0], q.shape[1], q.device)
+    rules = []
+    for name, rule, kind in (("score_mod", score_mod, modifiers.ScoreMod), ("mask_mod", mask_mod, modifiers.MaskMod)):
+        if rule is not None and not isinstance(rule, kind):
+            raise TypeError(f"{name} must be a flashgen.{kind.__name__}, got {type(rule).__name__}")
+        tensors = [] if rule is None else rule.arguments()
+        for tensor_name, tensor in zip(() if rule is None else rule.tensors, tensors):
+            if tensor.device != q.device:
+                raise ValueError(f"{name}'s tensor {tensor_name!r} is on {tensor.device}, the inputs on {q.device}")
+        rules += ["" if rule is None else rule.source, tensors]
+    if chosen == variants.PLAIN and not rules[0] and not rules[2]:
+        return ()
+    slopes = None if alibi_slopes is None else alibi_slopes.expand(q.shape[0], q.shape[1])  # sliced like q
+    return (chosen.window_left, chosen.window_right, chosen.softcap, slopes, *rules)
 
 
 def call(q, k, v, causal, scale, return_lse, deterministic, spec: KernelSpec | None = None, *,
-         window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+         window_size=(-1, -1), softcap=0.0, alibi_slopes=None, score_mod=None, mask_mod=None):
     """attention() with, optionally, the forward kernel fixed to `spec` (a prebuilt kernel's):
     the one path every public entry point takes."""
     if isinstance(q, torch.Tensor) and q.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
@@ -275,11 +314,8 @@ def call(q, k, v, causal, scale, return_lse, deterministic, spec: KernelSpec | N
         q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
     check_inputs(q, k, v)
     variant = ()
-    if alibi_slopes is not None or softcap or window_size != (-1, -1):  # one cheap test for plain calls
-        chosen = variants.make(causal, window_size, softcap, alibi_slopes, q.shape[0], q.shape[1], q.device)
-        if chosen != variants.PLAIN:
-            slopes = None if alibi_slopes is None else alibi_slopes.expand(q.shape[0], q.shape[1])  # sliced like q
-            variant = (chosen.window_left, chosen.window_right, chosen.softcap, slopes)
+    if alibi_slopes is not None or softcap or window_size != (-1, -1) or score_mod is not None or mask_mod is not None:
+        variant = call_variant(q, causal, window_size, softcap, alibi_slopes, score_mod, mask_mod)  # () when plain
     kernel = ""
     if spec is not None:
         if q.shape[-1] != spec.head_dim or DTYPES[q.dtype] != spec.dtype:
@@ -288,7 +324,8 @@ def call(q, k, v, causal, scale, return_lse, deterministic, spec: KernelSpec | N
                 f"{q.shape[-1]} {DTYPES[q.dtype]}"
             )
         wanted = variants.Variant(*variant[:3], variant[3] is not None).fields if variant else {}
-        have = {field: True for field in variants.FIELDS if getattr(spec, field)}
+        wanted.update({field: source for field, source in zip(("score_mod", "mask_mod"), variant[4::2]) if source})
+        have = {field: getattr(spec, field) for field in (*variants.FIELDS, "score_mod", "mask_mod") if getattr(spec, field)}
         if have != wanted:
             raise ValueError(
                 f"{spec.name} is built for variants {sorted(have) or 'none'}; this call asks for {sorted(wanted) or 'none'}"

@@ -50,6 +50,20 @@ def check_head_dim(head_dim) -> None:
         raise SpecError(f"head_dim={head_dim}: must be {HEAD_DIM_RULE}")
 
 
+def check_modifier(field: str, source) -> None:
+    """A modifier field holds "" or a modifier's source (flashgen.modifiers)."""
+    if not isinstance(source, str):
+        raise SpecError(f"{field}={source!r}: must be a modifier's source text (or \"\")")
+    if source:
+        try:
+            parsed = json.loads(source)
+            ok = isinstance(parsed, dict) and isinstance(parsed.get("cuda"), str) and isinstance(parsed.get("tensors"), list)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise SpecError(f"{field}: {source[:60]!r} is not a modifier's source (use ScoreMod/MaskMod(...).source)")
+
+
 def check_int(field: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise SpecError(f"{field}={value!r}: must be an int")
@@ -82,6 +96,9 @@ class KernelSpec:
                 (right = 0 when causal); key tiles outside the window are skipped at both ends.
     softcap:    scores become softcap * tanh(scores / softcap) (Gemma 2).
     alibi:      adds -slope * |i + Tk - Tq - j| to the scores, slopes per head (or batch and head).
+    score_mod:  a user score rule, its source (flashgen.modifiers.ScoreMod.source; "" = none).
+    mask_mod:   a user mask rule, its source (MaskMod.source); the kernels then visit the key tiles a
+                block mask lists (flashgen.blockmask) and skip the empty ones.
     """
 
     head_dim: int
@@ -98,6 +115,8 @@ class KernelSpec:
     window: bool = False
     softcap: bool = False
     alibi: bool = False
+    score_mod: str = ""
+    mask_mod: str = ""
 
     def __post_init__(self):
         from .families import KINDS
@@ -112,6 +131,8 @@ class KernelSpec:
         for field in ("causal", "persistent", "varlen", "window", "softcap", "alibi"):
             if not isinstance(getattr(self, field), bool):
                 raise SpecError(f"{field}={getattr(self, field)!r}: must be True or False")
+        for field in ("score_mod", "mask_mod"):
+            check_modifier(field, getattr(self, field))
         if self.arch not in SMEM_LIMIT:
             raise SpecError(f"arch={self.arch!r}: must be one of {', '.join(ARCHS)}")
         self.family.validate(self)

@@ -128,11 +128,17 @@ def reload() -> None:
 # ---- the choices -------------------------------------------------------------------------------
 
 
-def takes(kind: str, variant: tuple[str, ...]) -> bool:
-    """Whether kernels of `kind` build the variants named (spec fields: "window", "softcap", ...)."""
+def variant_fields(variant: tuple) -> dict:
+    """A problem's variant as spec fields: `variant` holds the names of flags that are on ("window",
+    "softcap", "alibi") and (field, value) pairs (a user rule's source: ("mask_mod", source))."""
+    return dict(item if isinstance(item, tuple) else (item, True) for item in variant)
+
+
+def takes(kind: str, variant: tuple) -> bool:
+    """Whether kernels of `kind` build the variant (flashgen.families: the fields they use)."""
     from .families import family
 
-    return set(variant) <= set(family(kind).fields)
+    return set(variant_fields(variant)) <= set(family(kind).fields)
 
 
 def _first_valid(kind, head_dim, dtype, causal, arch, bucket="long", varlen=False, variant=()) -> KernelSpec:
@@ -145,7 +151,7 @@ def _first_valid(kind, head_dim, dtype, causal, arch, bucket="long", varlen=Fals
             tiles = {**tiles, "persistent": False}  # the varlen Hopper forward runs one tile per CTA
         try:
             return KernelSpec(head_dim=head_dim, dtype=dtype, causal=causal, arch=arch, kind=kind, **tiles,
-                              **({"varlen": True} if varlen else {}), **dict.fromkeys(variant, True))
+                              **({"varlen": True} if varlen else {}), **variant_fields(variant))
         except SpecError as rejected:
             error = rejected
     raise SpecError(f"no {kind} tile shape fits head_dim={head_dim} on {arch}: {error or 'the tuning table has no entry'}")

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from .params import Param, pointer, scalar
 
 FIELDS = ("window", "softcap", "alibi")  # the spec fields
-ARGUMENTS = ("window_left", "window_right", "softcap", "alibi_slopes")  # the kernels' named arguments
+# the kernels' named arguments: the variants' values, the modifiers' tensors, and the block masks
+# (flashgen.blockmask.BlockMasks: the tiles a mask rule leaves, per tile shape, made on first use)
+ARGUMENTS = ("window_left", "window_right", "softcap", "alibi_slopes", "score_mod_tensors", "mask_mod_tensors", "block_masks")
 UNBOUNDED = 1 << 30  # a window side without bound, as the kernel takes it (no sequence is this long)
 
 
@@ -94,9 +96,12 @@ def window_bound(side: int) -> int:
     return UNBOUNDED if side < 0 else side
 
 
-def params(spec) -> list[Param]:
-    """The kernel parameters of the spec's variants, after its others (an empty list for a plain
-    spec). The softmax's own scale_log2 changes with softcap: see scale_log2()."""
+def params(spec, tiles: tuple[int, int, bool] | None = None) -> list[Param]:
+    """The kernel parameters of the spec's variants and modifiers, after its others (an empty list
+    for a plain spec). The softmax's own scale_log2 changes with softcap: see scale_log2(). `tiles`:
+    (rows, columns, key-major) of the block mask lists a mask_mod kernel walks (its tile shape)."""
+    from .modifiers import kernel_tensors
+
     out = []
     if spec.window:
         out += [scalar("window_left", "int", "window_bound(window_left)"),
@@ -107,14 +112,34 @@ def params(spec) -> list[Param]:
         out += [pointer("alibi_slopes", "const float*"),
                 scalar("alibi_batch_stride", "int", "alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0"),
                 # slopes in the units of the value the softmax takes (score.cuh.j2)
-                scalar("alibi_scale", "float", "1.0 / softcap" if spec.softcap else "1.0 / scale")]
+                scalar("alibi_scale", "float", unit(spec, "1.0 / softcap", "1.0 / scale"))]
+    for kind in ("score_mod", "mask_mod"):
+        source = getattr(spec, kind)
+        if source:
+            out += [Param(name, f"const {ctype}* __restrict__", "ptr", f"{kind}_tensors[{i}].data_ptr()")
+                    for i, (name, ctype) in enumerate(kernel_tensors(kind, source))]
+    if spec.score_mod:
+        out.append(scalar("score_unit", "float", "softcap if softcap else scale"))  # the score piece's value -> natural logit
+    if spec.mask_mod and tiles is not None:
+        lists = f"block_masks.get({tiles[0]}, {tiles[1]}, {tiles[2]})"
+        out += [Param("bm_count", "const int* __restrict__", "ptr", f"{lists}.count.data_ptr()"),
+                Param("bm_index", "const int* __restrict__", "ptr", f"{lists}.index.data_ptr()"),
+                Param("bm_state", "const unsigned char* __restrict__", "ptr", f"{lists}.state.data_ptr()"),
+                scalar("bm_batch", "int", f"{lists}.batch_stride"), scalar("bm_head", "int", f"{lists}.head_stride")]
     return out
+
+
+def unit(spec, with_softcap: str, without: str) -> str:
+    """A host expression that depends on the value the score piece leaves: natural units (1) with a
+    score_mod, else softcap's or the scale's."""
+    return "1.0" if spec.score_mod else with_softcap if spec.softcap else without
 
 
 def scale_log2(spec) -> str:
     """The host expression of the softmax's scale_log2, which turns the value the score piece
-    leaves (the raw score; with softcap, tanh of the scaled one) into a base-2 logit."""
-    return "softcap * LOG2E" if spec.softcap else "scale * LOG2E"
+    leaves (the raw score; with softcap, tanh of the scaled one; with a score_mod, the logit
+    itself) into a base-2 logit."""
+    return "LOG2E" if spec.score_mod else "softcap * LOG2E" if spec.softcap else "scale * LOG2E"
 
 
 HELPERS = {"window_bound": window_bound}

@@ -117,6 +117,8 @@ ALTERNATIVE = {
     "window": True,
     "softcap": True,
     "alibi": True,
+    "score_mod": '{"cuda":"score * 2.f","grad":"2.f","tensors":[]}',
+    "mask_mod": '{"cuda":"q_idx >= kv_idx","per_batch":false,"per_head":false,"tensors":[]}',
 }
 # Fields the mma.sync forward does not use change a spec of a family that does.
 BASE_FOR = {"persistent": KernelSpec(head_dim=64, block_m=128, block_n=128, kind="fwd_sm90")}

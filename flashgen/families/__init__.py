@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from .backward import STATS_PAD, BackwardPrep, KeyMajorBackward, QueryMajorBackward, padded
 from .base import Family
+from .blockmask import BlockMaskStates
 from .decode import DecodeAttention, MergeStates, MergeStatesFp32
 from .forward import MmaForward
 from .hopper import HopperForward
@@ -13,7 +14,7 @@ from .hopper_backward import HopperBackward
 
 FAMILIES: tuple[Family, ...] = (
     MmaForward(), HopperForward(), KeyMajorBackward(), QueryMajorBackward(), BackwardPrep(), HopperBackward(),
-    DecodeAttention(), MergeStates(), MergeStatesFp32(),
+    DecodeAttention(), MergeStates(), MergeStatesFp32(), BlockMaskStates(),
 )
 BY_KIND: dict[str, Family] = {kind: family for family in FAMILIES for kind in family.kinds}
 KINDS = tuple(BY_KIND)

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from .. import variants
+from .. import modifiers, variants
 from ..params import Params, pointer, scalar, strides, tensor
 from ..smem import Region, SmemLayout
 from ..spec import KernelSpec, SpecError
@@ -81,6 +81,8 @@ class BackwardPrep(Family):
 class _BackwardTiles(MmaTiles):
     def check(self, spec: KernelSpec) -> None:
         super().check(spec)
+        if spec.score_mod and not modifiers.parse(spec.score_mod)["grad"]:
+            raise SpecError("score_mod: a backward kernel needs the rule's gradient (ScoreMod(..., grad=...))")
         if STATS_PAD % spec.block_m:
             raise SpecError(f"block_m={spec.block_m}: a backward kernel needs a divisor of {STATS_PAD}")
 
@@ -109,7 +111,7 @@ class _BackwardTiles(MmaTiles):
             scalar("kv_group", "int", "q.shape[1] // k.shape[1]"),
             scalar("scale", "float"),
             scalar("scale_log2", "float", variants.scale_log2(spec)),
-            *variants.params(spec),
+            *variants.params(spec, (spec.block_m, spec.block_n, self.owner == "block_n")),
         ]
 
     def context(self, spec: KernelSpec) -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .. import __version__, variants
+from .. import __version__, modifiers, variants
 from ..params import Params
 from ..smem import SmemLayout
 from ..spec import DEFAULTS, SMEM_LIMIT, KernelSpec, SpecError
@@ -29,9 +29,26 @@ NAME_PARTS = {
     "window": None,  # the variants: their names, or nothing
     "softcap": None,
     "alibi": None,
+    "score_mod": None,  # "smod" / "mmod" + a hash of the rule's source, or nothing
+    "mask_mod": None,
 }
-VARIANT_TEXT = {"window": ", sliding window", "softcap": ", soft-capped scores", "alibi": ", ALiBi"}  # for headers
+MODIFIER_TAG = {"score_mod": "smod", "mask_mod": "mmod"}
+VARIANT_TEXT = {"window": ", sliding window", "softcap": ", soft-capped scores", "alibi": ", ALiBi",
+                "score_mod": ", a user score rule", "mask_mod": ", a user mask rule"}  # for headers
 FLAGS = ("persistent", "varlen", "window", "softcap", "alibi")  # named when set
+
+
+def modifier_context(spec: KernelSpec) -> dict:
+    """What the templates need of a spec's user rules: each rule's CUDA struct and the kernel
+    parameters that fill it, and whether the score rule has a gradient."""
+    context = {}
+    for kind in ("score_mod", "mask_mod"):
+        source = getattr(spec, kind)
+        if source:
+            context[f"{kind}_struct"] = modifiers.struct(kind, source)
+            context[f"{kind}_tensors"] = [name for name, _ in modifiers.kernel_tensors(kind, source)]
+    context["score_mod_grad"] = bool(spec.score_mod and modifiers.parse(spec.score_mod)["grad"])
+    return context
 
 
 class Family:
@@ -77,6 +94,8 @@ class Family:
                     parts.append(value.replace("_", ""))
                 elif field in FLAGS:
                     parts += [field] if value else []
+                elif field in MODIFIER_TAG:
+                    parts += [MODIFIER_TAG[field] + modifiers.tag(value)] if value else []
                 else:
                     parts.append(form.format(value))
         return "_".join(parts)
@@ -112,7 +131,9 @@ class Family:
             "wgmma": False,
             "params": self.params(spec).signature(),
             "mask_args": ", window_left, window_right" if spec.window else "",  # the Mask's runtime bounds
-            "score": spec.softcap or spec.alibi,  # the kernel has a score piece (templates/score.cuh.j2)
+            "score": spec.softcap or spec.alibi or bool(spec.score_mod),  # a score piece (templates/score.cuh.j2)
+            "score_grad": spec.softcap or bool(spec.score_mod),  # the backward multiplies dS by the score's derivative
+            **modifier_context(spec),
             "variants_text": "".join(text for field, text in VARIANT_TEXT.items() if getattr(spec, field, False)),
             "smem_layout": self.smem(spec).cuda(),
         }
@@ -135,6 +156,8 @@ _packers: dict[tuple[str, str], object] = {}
 # slope or cap, its indices). Where ptxas still spills, the tuning table's variant entries pick
 # smaller tiles (tests/test_variants.py compiles every pick).
 VARIANT_REGISTERS = 8
+RULE_REGISTERS = 48  # a user rule: its tensors' addresses and whatever its expression holds live
+MAX_MARGIN = 48  # variants share their index registers
 
 
 class MmaTiles(Family):
@@ -145,6 +168,7 @@ class MmaTiles(Family):
     owner = "block_m"
     fields = tuple(field for field in NAME_PARTS if field != "persistent")  # one block per tile, always
     max_accumulators = 192  # fp32 accumulators per thread that fit in 255 registers with room to spare
+    variant_registers = VARIANT_REGISTERS  # what each variant takes from that budget
 
     def check(self, spec: KernelSpec) -> None:
         if spec.num_warps not in (1, 2, 4, 8):
@@ -162,8 +186,11 @@ class MmaTiles(Family):
                 f"warp owns {self.owner} / num_warps rows, which must be 16 or 32 "
                 f"({self.owner} in {{{16 * spec.num_warps}, {32 * spec.num_warps}}})"
             )
-        on = [field for field in variants.FIELDS if getattr(spec, field)]
-        limit = self.max_accumulators - VARIANT_REGISTERS * len(on)
+        self.check_modifiers(spec)
+        on = [field for field in (*variants.FIELDS, "score_mod", "mask_mod") if getattr(spec, field)]
+        rules = bool(spec.score_mod) + bool(spec.mask_mod)
+        margin = min(self.variant_registers * (len(on) - rules) + RULE_REGISTERS * rules, MAX_MARGIN)
+        limit = self.max_accumulators - margin
         if self.accumulators(spec) > limit:
             raise SpecError(
                 f"block_m={spec.block_m}, block_n={spec.block_n}, head_dim={spec.head_dim}, "
@@ -171,6 +198,10 @@ class MmaTiles(Family):
                 f"{self.accumulators(spec)} fp32 accumulators; at most {limit} fit in registers "
                 f"(use smaller tiles, or more warps for the same tiles)"
             )
+
+    def check_modifiers(self, spec: KernelSpec) -> None:
+        if spec.varlen and (spec.score_mod or spec.mask_mod):
+            raise SpecError("score_mod / mask_mod with varlen=True: the user rules take fixed-length batches for now")
 
     def rows_per_warp(self, spec: KernelSpec) -> int:
         return getattr(spec, self.owner) // spec.num_warps
@@ -185,5 +216,11 @@ class MmaTiles(Family):
         return (spec.head_dim_pad + 8) * 2
 
     def context(self, spec: KernelSpec) -> dict:
-        return {**super().context(spec), "smem_stride": spec.head_dim_pad + 8}
+        context = {**super().context(spec), "smem_stride": spec.head_dim_pad + 8}
+        if spec.mask_mod:  # the block mask lists: per query tile its key tiles, or per key tile its query tiles
+            query_tiles, key_tiles = "(seqlen_q + BLOCK_M - 1) / BLOCK_M", "(seqlen_k + BLOCK_N - 1) / BLOCK_N"
+            key_major = self.owner == "block_n"
+            context.update(list_key_major=key_major, list_rows=key_tiles if key_major else query_tiles,
+                           list_width=query_tiles if key_major else key_tiles)
+        return context
 

@@ -21,7 +21,7 @@ def forward_outputs_and_sizes(spec: KernelSpec) -> list[Param]:
             pointer("lse", "float*", optional=True),  # [heads, total_q] fp32, or null
             *sequences(),
             scalar("kv_group", "int", "q.shape[1] // k.shape[1]"),
-            scale_log2, *variants.params(spec),
+            scale_log2, *variants.params(spec, (spec.block_m, spec.block_n, False)),
         ]
     return [
         pointer("lse", "float*", optional=True),  # [batch, heads, seqlen_q] fp32, or null
@@ -29,7 +29,7 @@ def forward_outputs_and_sizes(spec: KernelSpec) -> list[Param]:
         scalar("seqlen_k", "int", "k.shape[2]"),
         scalar("heads", "int", "q.shape[1]"),
         scalar("kv_group", "int", "q.shape[1] // k.shape[1]"),
-        scale_log2, *variants.params(spec),
+        scale_log2, *variants.params(spec, (spec.block_m, spec.block_n, False)),
     ]
 
 
@@ -52,6 +52,7 @@ class MmaForward(MmaTiles):
     arguments = ("q", "k", "v", "o", "lse", "scale", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", *variants.ARGUMENTS)
     forward = True
     tune_space = {"block_m": (64, 128), "block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3)}
+    variant_registers = 0  # the forward's tiles hold every variant without spilling (tests/test_variants.py)
 
     def accumulators(self, spec: KernelSpec) -> int:
         return self.rows_per_warp(spec) // 16 * (spec.head_dim_pad + spec.block_n) // 2  # S and O
