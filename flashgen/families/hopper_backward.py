@@ -15,22 +15,27 @@ Two ways to split the work between the consumer warpgroups, chosen by block_n:
   other's products.
 - block_n=64 (any head dim up to 256; what the tables pick above 128): the two warpgroups share the
   block's 64 keys and split the products by gradient. The first computes S^T, P^T and dV += P^T dO;
-  the second dP^T, dS^T = P^T (dP^T - delta) and dK += dS^T Q. So each thread holds one
-  accumulator, 64 x head_dim_pad (head_dim_pad / 2 fp32: 128 at d = 256), plus one 64 x BLOCK_M
-  score tile, where holding both gradients would need head_dim_pad (256 of the 240 registers
-  setmaxnreg gives). P^T passes from the first warpgroup to the second through shared memory in
-  fp32 and in the accumulator's fragment order (each thread reads back exactly what the same
-  thread of the other warpgroup wrote; dS is computed from the same fp32 P as with block_n=128),
-  with a pair of named barriers as the handshake; the second warpgroup writes the dS^T tile and
-  the dQ pieces (64 queries x 64 columns) alternate between the warpgroups. Each warpgroup
-  stages one dQ piece at a time (16 KB). The register file bounds the keys per block: dK and dV of
-  BLOCK_N keys take 2 * BLOCK_N * head_dim fp32 registers in the CTA (32 K of the 64 K at d = 256,
-  BLOCK_N = 64), which is why FlashAttention-3 too runs 64-80 keys per block at d = 256 (and 96 with
-  three warpgroups at d = 192) and splits dK/dV across its warpgroups. The shared-memory bound
-  (227 KB): K and V (64 x head_dim_pad each), num_stages Q tiles and as many dO tiles as still fit
-  (at most num_stages; one at d = 256, as FlashAttention-3 keeps one dO stage there), the fp32
-  P^T (64 x BLOCK_M), the dS^T tile and two dQ pieces. At d = 256, BLOCK_M = 64, num_stages = 2:
-  64 + 64 + 32 + 16 + 8 + 32 KB = 216 KB and the statistics.
+  the second dP^T, dS^T = P^T (dP^T - delta) and dK += dS^T Q. So each thread holds one gradient,
+  64 x head_dim_pad (head_dim_pad / 2 fp32: 128 at d = 256), and one 64 x BLOCK_M score tile
+  (32 at BLOCK_M = 64), where holding both gradients would take head_dim_pad, all of the 240
+  registers setmaxnreg gives at d = 256. P^T passes from the first warpgroup to the second through
+  shared memory in fp32, in the accumulator's fragment order (thread t reads back exactly what
+  thread t of the other warpgroup wrote, so dS comes from the same fp32 P as with block_n=128),
+  with named barriers as the handshake (P_FULL / P_FREE, and DS_FULL / DS_FREE for the dS^T tile the
+  second warpgroup writes for dQ). The dQ pieces (64 queries x 64 columns) alternate between the
+  warpgroups; each stages one piece at a time (16 KB) for its bulk reduction.
+  Why this split: the register file bounds the keys per block, since dK and dV of BLOCK_N keys take
+  2 * BLOCK_N * head_dim fp32 registers in the CTA (32 K of the 64 K at d = 256, BLOCK_N = 64);
+  FlashAttention-3 too runs 64 x 80 at d = 256 and 64 x 96 with three warpgroups at d = 192. It
+  splits head-dim columns instead (each warpgroup holds half of both dK^T and dV^T), which needs P
+  and dS in shared memory as operands of both warpgroups; splitting by gradient keeps P^T and dS^T
+  register operands of their products (as with block_n=128) and the score products at N = BLOCK_M,
+  and only P^T crosses between the warpgroups.
+  The shared-memory bound (227 KB): K and V (64 x head_dim_pad each), num_stages Q tiles and as
+  many dO tiles as still fit (at most num_stages: one at d = 256, where FlashAttention-3 too keeps
+  one dO stage), P^T (64 x BLOCK_M fp32), and for dQ the dS^T tile and the two 16 KB pieces. At
+  d = 256, BLOCK_M = 64, num_stages = 2: 64 + 64 + 32 + 16 + 8 + 32 KB = 216 KB, 218 KB with the
+  statistics, barriers and alignment; at d = 192: 48 + 48 + 48 + 16 + 8 + 32 = 200 KB (two dO stages).
 
 Kinds: bwd_sm90_kvq writes dK, dV and dQ; bwd_sm90_kv writes dK and dV (deterministic mode: dQ
 then comes from the query-major bwd_q pass, in a fixed order).
