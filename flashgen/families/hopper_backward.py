@@ -125,7 +125,7 @@ class HopperBackward(Family):
 
     def do_stages(self, spec: KernelSpec) -> int:
         """dO tiles in flight: num_stages, or with block_n=64 as many as fit next to num_stages Q
-        tiles (one at head_dim 256: two would need 248 KB)."""
+        tiles (one at head_dim 256: two would need 250 KB)."""
         if not self.split(spec):
             return spec.num_stages
         limit = SMEM_LIMIT[spec.arch]
