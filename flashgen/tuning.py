@@ -35,10 +35,11 @@ BACKWARD_KINDS = {
     (256, False): ["bwd_v", "bwd_kq"],
     (256, True): ["bwd_v", "bwd_k", "bwd_q"],
 }  # (head-dim bound, deterministic) -> kinds, key-major first
-# On sm_90a, up to head_dim 128, the Hopper family (TMA, wgmma, warp specialization) runs the
-# key-major part; deterministic mode still takes dQ from the query-major pass.
+# On sm_90a the Hopper family (TMA, wgmma, warp specialization) runs the key-major part at every
+# head dim (above 128 in its split layout, block_n=64: one warpgroup computes dV, the other dK);
+# deterministic mode still takes dQ from the query-major pass.
 HOPPER_BACKWARD_KINDS = {False: ["bwd_sm90_kvq"], True: ["bwd_sm90_kv", "bwd_q"]}
-HOPPER_BACKWARD_HEAD_DIM = 128
+HOPPER_BACKWARD_HEAD_DIM = 256
 
 
 def query_bucket(seqlen_q: int) -> bool:

@@ -8,8 +8,9 @@ from flashgen.compile import Resources, compile_ptx, compile_source, parse_resou
 from flashgen.render import render
 from flashgen.spec import SMEM_LIMIT, KernelSpec
 
-# Every spec the tables pick on the H200, forward and backward; sm_80 for the most common head dims.
-SHIPPED = tuning.shipped_specs("sm_90a") + tuning.shipped_specs("sm_80", head_dims=(64, 128))
+# Every spec the tables pick on the H200, forward and backward; sm_80 for the most common head dims
+# and for 256, where its backward is the key-major kernels that take dV and dK in separate passes.
+SHIPPED = tuning.shipped_specs("sm_90a") + tuning.shipped_specs("sm_80", head_dims=(64, 128, 256))
 SHIPPED += tuning.serving_specs("sm_90a") + tuning.serving_specs("sm_80", head_dims=(64, 128))
 
 

@@ -92,7 +92,7 @@ def test_deterministic_mode_matches_reference(head_dim, causal):
     check_gradients(q, k, v, causal, deterministic=True)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
 def test_deterministic_reruns_are_bitwise_identical(head_dim):
     q, k, v = make_qkv(2, 8, 2, 2048, 2048, head_dim, torch.bfloat16)
     d_o = torch.randn_like(q)
@@ -229,13 +229,98 @@ def test_prebuilt_module_is_differentiable_without_a_compiler(tmp_path):
     assert out.strip().endswith("ok")
 
 
-@pytest.mark.parametrize("head_dim, expected", [(64, "bwd_sm90_kvq"), (128, "bwd_sm90_kvq"), (256, "bwd_v")])
-def test_hopper_runs_its_own_backward_up_to_head_dim_128(head_dim, expected):
-    """On sm_90a the tables pick the Hopper family (TMA, wgmma, warp specialization) where it
-    exists; the sweep above then checks its gradients."""
+@pytest.mark.parametrize("head_dim, block_n", [(64, 128), (128, 128), (136, 64), (192, 64), (256, 64)])
+def test_hopper_runs_its_own_backward_at_every_head_dim(head_dim, block_n):
+    """On sm_90a the tables pick the Hopper family (TMA, wgmma, warp specialization), above head
+    dim 128 in its split layout (block_n=64); the sweeps above then check its gradients."""
+    hopper_only()
+    for deterministic, kinds in ((False, ["bwd_prep", "bwd_sm90_kvq"]), (True, ["bwd_prep", "bwd_sm90_kv", "bwd_q"])):
+        specs = backward_kernels(head_dim, torch.bfloat16, True, deterministic)
+        assert [spec.kind for spec in specs] == kinds and specs[1].block_n == block_n
+
+
+# ---- the Hopper backward's split layout (block_n=64: the two consumer warpgroups share 64 keys,
+# one computing P^T and dV, the other dS^T and dK), what the tables run above head dim 128 ----------
+
+SPLIT_HEAD_DIMS = (136, 192, 256)
+
+
+def hopper_only():
     from flashgen import plans
 
     if plans.device_arch(0) != "sm_90a":
         pytest.skip("needs sm_90a")
-    plan = plans.backward(0, head_dim, torch.bfloat16, True, False, "")
-    assert [k.spec.kind for k in plan.kernels][1] == expected
+
+
+def backward_kernels(head_dim, dtype, causal, deterministic):
+    from flashgen import plans
+
+    return [kernel.spec for kernel in plans.backward(0, head_dim, dtype, causal, deterministic, "").kernels]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("batch, heads, kv_heads, seqlen_q, seqlen_k", [
+    (2, 4, 4, 1023, 1023),  # odd length: a partial last query tile and key block
+    (1, 8, 2, 333, 1000),  # GQA, Tq < Tk (causal: bottom-right, every query sees the first 668 keys)
+    (2, 4, 1, 1000, 333),  # MQA, Tq > Tk (causal: the first 667 queries see no key)
+    (2, 2, 2, 1, 77),
+    (1, 2, 2, 17, 1),
+    (1, 3, 3, 64, 64),  # one query tile, one key block
+])
+@pytest.mark.parametrize("head_dim", SPLIT_HEAD_DIMS)
+def test_split_hopper_backward_matches_reference(head_dim, batch, heads, kv_heads, seqlen_q, seqlen_k, causal, dtype):
+    hopper_only()
+    spec = backward_kernels(head_dim, DTYPES[dtype], causal, False)[1]
+    assert spec.kind == "bwd_sm90_kvq" and spec.block_n == 64
+    q, k, v = make_qkv(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, DTYPES[dtype], seed=seqlen_q + head_dim)
+    check_gradients(q, k, v, causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", SPLIT_HEAD_DIMS)
+def test_split_hopper_backward_deterministic_mode(head_dim, causal, dtype):
+    """bwd_sm90_kv (dK, dV) and the query-major bwd_q (dQ): within the rule, and bitwise the same on
+    every rerun."""
+    hopper_only()
+    specs = backward_kernels(head_dim, DTYPES[dtype], causal, True)
+    assert [s.kind for s in specs] == ["bwd_prep", "bwd_sm90_kv", "bwd_q"] and specs[1].block_n == 64
+    q, k, v = make_qkv(2, 8, 2, 777, 1000, head_dim, DTYPES[dtype], seed=head_dim)
+    first = check_gradients(q, k, v, causal, deterministic=True)
+    fn = lambda q, k, v: flashgen.attention(q, k, v, causal=causal, deterministic=True)  # noqa: E731
+    for _ in range(2):
+        again = grads(fn, q, k, v, upstream_gradient(q))
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("head_dim", [192, 256])
+def test_split_hopper_backward_dk_dv_are_bitwise_identical_in_default_mode(head_dim):
+    """Only dQ's bulk reductions vary in order; dK and dV are summed in a fixed order per block."""
+    hopper_only()
+    q, k, v = make_qkv(2, 8, 2, 2048, 2048, head_dim, torch.bfloat16)
+    d_o = torch.randn_like(q)
+    fn = lambda q, k, v: flashgen.attention(q, k, v, causal=True)  # noqa: E731
+    _, _, dk, dv = grads(fn, q, k, v, d_o)
+    _, _, dk2, dv2 = grads(fn, q, k, v, d_o)
+    assert torch.equal(dk, dk2) and torch.equal(dv, dv2)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
+@pytest.mark.parametrize("head_dim, block_m, num_stages", [
+    (64, 128, 3), (96, 64, 2), (128, 64, 3), (128, 128, 2), (192, 64, 3), (256, 64, 2),
+])
+def test_split_hopper_backward_tile_variants(head_dim, block_m, num_stages, deterministic):
+    """Shapes of the split layout `flashgen tune` may pick (its space has block_n 64 at every head
+    dim): other block_m, num_stages (and so dO stages), head dims below 128."""
+    hopper_only()
+    kind = "bwd_sm90_kv" if deterministic else "bwd_sm90_kvq"
+    tiles = {"block_m": block_m, "block_n": 64, "num_stages": num_stages}
+    entry = {"kind": kind, "arch": "sm_90a", "head_dim": head_dim, "dtype": "*", "causal": "*", "bucket": "*", "tiles": [tiles]}
+    with tuning.override([entry]):
+        spec = backward_kernels(head_dim, torch.bfloat16, True, deterministic)[1]
+        assert (spec.kind, spec.block_m, spec.block_n, spec.num_stages) == (kind, block_m, 64, num_stages)
+        for causal in (False, True):
+            q, k, v = make_qkv(2, 4, 2, 333, 1000, head_dim, torch.bfloat16, seed=head_dim + block_m)
+            check_gradients(q, k, v, causal, deterministic=deterministic)

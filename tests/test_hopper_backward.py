@@ -1,5 +1,7 @@
 """The sm_90a backward family without a GPU: its specs, the Hopper instructions in what NVRTC
-emits, and the dQ accumulator's layout (the kernel's fragment order, read back by the plan)."""
+emits, and the dQ accumulator's layout (the kernel's fragment order, read back by the plan). Both
+layouts: block_n=128 (each consumer warpgroup owns 64 keys, head dims up to 128) and the split
+block_n=64 (the warpgroups share 64 keys, one computing dV and the other dK; up to 256)."""
 
 import re
 
@@ -9,13 +11,29 @@ import torch
 from flashgen import tuning
 from flashgen.compile import compile_ptx, compile_source
 from flashgen.render import render
-from flashgen.spec import KernelSpec, SpecError
+from flashgen.spec import SMEM_LIMIT, KernelSpec, SpecError
 
 SPECS = [tuning.tuned_spec(kind, d, "bf16", causal, "sm_90a")
          for kind, d, causal in (("bwd_sm90_kvq", 64, False), ("bwd_sm90_kvq", 128, True), ("bwd_sm90_kv", 96, True))]
+# Every split spec the tables ship (d = 192 and 256, both dtypes, masks and modes), and d = 136, the
+# smallest head dim the split layout serves by default.
+SPLIT_SPECS = [spec for spec in tuning.shipped_specs("sm_90a") if spec.kind.startswith("bwd_sm90") and spec.head_dim > 128]
+SPLIT_SPECS += [tuning.tuned_spec(kind, 136, "fp16", causal, "sm_90a")
+                for kind, causal in (("bwd_sm90_kvq", False), ("bwd_sm90_kv", True))]
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda spec: spec.name)
+def test_the_tables_run_the_split_layout_above_head_dim_128():
+    assert len(SPLIT_SPECS) == 2 * 2 * 2 * 2 + 2
+    for spec in SPLIT_SPECS:
+        assert spec.block_n == 64 and spec.block_m == 64 and spec.family.split(spec)
+    for head_dim in (136, 192, 256):
+        for deterministic in (False, True):
+            kinds = [s.kind for s in tuning.backward_specs(head_dim, "bf16", True, "sm_90a", deterministic)]
+            assert kinds == (["bwd_sm90_kv", "bwd_q"] if deterministic else ["bwd_sm90_kvq"])
+    assert all(s.block_n == 128 for d in (64, 128) for s in tuning.backward_specs(d, "bf16", True, "sm_90a", False))
+
+
+@pytest.mark.parametrize("spec", SPECS + SPLIT_SPECS, ids=lambda spec: spec.name)
 def test_holds_the_hopper_instructions(spec):
     ptx = compile_ptx(spec, render(spec)).decode()
     for instruction in (
@@ -31,17 +49,50 @@ def test_holds_the_hopper_instructions(spec):
     assert not re.search(r"\s(atom|red)\.", ptx)  # no element-wise atomics
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda spec: spec.name)
+@pytest.mark.parametrize("spec", SPECS + SPLIT_SPECS, ids=lambda spec: spec.name)
 def test_compiles_without_spills_or_wgmma_serialization(spec):
-    binary = compile_source(spec, render(spec))
+    # The consumers' code runs under setmaxnreg.inc 240 (two of them and the producer's 24 fill the
+    # register file): no spill means their accumulators fit that budget.
+    source = render(spec)
+    assert "setmaxnreg_inc<240>();" in source and "setmaxnreg_dec<24>();" in source
+    binary = compile_source(spec, source)
     assert binary.resources.spills == 0 and binary.resources.stack_frame == 0, binary.log
     assert "serialized" not in binary.log and "setmaxnreg" not in binary.log, binary.log
+
+
+@pytest.mark.parametrize("head_dim, kind, do_stages, kilobytes", [
+    (256, "bwd_sm90_kvq", 1, 219), (256, "bwd_sm90_kv", 2, 211), (192, "bwd_sm90_kvq", 2, 203), (192, "bwd_sm90_kv", 2, 163),
+])
+def test_split_layout_fits_shared_memory(head_dim, kind, do_stages, kilobytes):
+    """K, V, num_stages Q tiles, as many dO tiles as fit (at most num_stages), P^T in fp32, and for
+    dQ the dS^T tile and one 16 KB piece per warpgroup."""
+    spec = tuning.tuned_spec(kind, head_dim, "bf16", True, "sm_90a")
+    layout = spec.family.smem(spec)
+    assert spec.family.do_stages(spec) == do_stages and -(-layout.size // 1024) == kilobytes
+    assert layout.size <= SMEM_LIMIT["sm_90a"]
+    pad = spec.family.head_dim_pad(spec)
+    assert layout.regions[3].bytes == do_stages * 64 * pad * 2  # dO
+    assert next(r.bytes for r in layout.regions if r.name == "p") == 64 * 64 * 4
+    assert ("dq" in layout.offsets) == (kind == "bwd_sm90_kvq")
+
+
+def test_split_layout_renders_only_in_split_specs():
+    """A block_n=128 spec has no trace of the split layout's handshakes; a split spec has them, and
+    its dQ-less kind has no dS^T handshake."""
+    kvq = tuning.tuned_spec("bwd_sm90_kvq", 256, "bf16", True, "sm_90a")
+    kv = tuning.tuned_spec("bwd_sm90_kv", 256, "bf16", True, "sm_90a")
+    plain = tuning.tuned_spec("bwd_sm90_kvq", 128, "bf16", True, "sm_90a")
+    assert all(word in render(kvq) for word in ("BAR_P_FULL", "BAR_DS_FULL", "DO_STAGES = 1", "dv_side"))
+    assert "BAR_P_FULL" in render(kv) and "BAR_DS_FULL" not in render(kv) and "bulk_reduce_add(dq_accum" not in render(kv)
+    assert not any(word in render(plain) for word in ("BAR_P_", "DO_STAGES", "dv_side", "SMEM_P "))
 
 
 @pytest.mark.parametrize("fields, message", [
     (dict(head_dim=192), "head dims up to 128"),
     (dict(head_dim=128, block_m=128), "192 fit"),
-    (dict(head_dim=64, block_n=64), "block_n=64"),
+    (dict(head_dim=64, block_n=96), "block_n=96"),
+    (dict(head_dim=256, block_n=64, num_stages=3), "needs 256072 bytes of shared memory"),
+    (dict(head_dim=192, block_n=64, block_m=128), "needs 281656 bytes of shared memory"),
     (dict(head_dim=64, arch="sm_80"), "needs sm_90a"),
     (dict(head_dim=64, block_m=96), "block_m=96"),
 ])
@@ -77,9 +128,11 @@ def _kernel_accumulator(spec, dq: torch.Tensor) -> torch.Tensor:
     return accum
 
 
-@pytest.mark.parametrize("head_dim, block_m, seqlen_q", [(64, 128, 256), (128, 64, 100), (96, 64, 65), (32, 128, 1)])
-def test_dq_accumulator_reads_back_in_row_and_column_order(head_dim, block_m, seqlen_q):
-    spec = KernelSpec(head_dim=head_dim, block_m=block_m, block_n=128, kind="bwd_sm90_kvq")
+@pytest.mark.parametrize("head_dim, block_m, block_n, seqlen_q", [
+    (64, 128, 128, 256), (128, 64, 128, 100), (96, 64, 128, 65), (32, 128, 128, 1), (256, 64, 64, 100), (136, 64, 64, 129),
+])
+def test_dq_accumulator_reads_back_in_row_and_column_order(head_dim, block_m, block_n, seqlen_q):
+    spec = KernelSpec(head_dim=head_dim, block_m=block_m, block_n=block_n, kind="bwd_sm90_kvq")
     dq = torch.randn(2, 3, seqlen_q, head_dim)
     accum = _kernel_accumulator(spec, dq)
     got = torch.empty(2, 3, seqlen_q, head_dim, dtype=torch.bfloat16)

@@ -1,11 +1,41 @@
 """The sm_90a backward (FlashAttention-3's design): one CTA owns BLOCK_N keys of a key/value head
 and walks the query tiles of every query head that shares it. A producer warp loads K and V once
 and streams Q, dO and their (lse, delta) rows through an mbarrier pipeline with the tensor memory
-accelerator; each consumer warpgroup owns 64 of the keys and runs all five products on warpgroup
-MMA: S^T = K Q^T and dP^T = V dO^T from shared memory, dV += P^T dO and dK += dS^T Q with P^T and
-dS^T straight from registers, and dQ = dS K from its own dS^T tile in shared memory. Each
-warpgroup adds its dQ tile into an fp32 buffer with one bulk reduction (cp.reduce.async.bulk), so
-the warpgroups never wait for each other. dK and dV leave through shared memory with TMA stores.
+accelerator; two consumer warpgroups run all five products on warpgroup MMA: S^T = K Q^T and
+dP^T = V dO^T from shared memory, dV += P^T dO and dK += dS^T Q with P^T and dS^T straight from
+registers, and dQ = dS K from a dS^T tile in shared memory. Each warpgroup adds its dQ pieces into
+an fp32 buffer with bulk reductions (cp.reduce.async.bulk). dK and dV leave through shared memory
+with TMA stores.
+
+Two ways to split the work between the consumer warpgroups, chosen by block_n:
+
+- block_n=128 (head dims up to 128): each warpgroup owns 64 of the keys and runs all five products
+  for them, holding dV and dK (head_dim_pad / 2 fp32 each per thread) and S^T, dP^T. The warpgroups
+  share only K, V and the Q/dO pipeline, so they drift apart and one's softmax runs under the
+  other's products.
+- block_n=64 (any head dim up to 256; what the tables pick above 128): the two warpgroups share the
+  block's 64 keys and split the products by gradient. The first computes S^T, P^T and dV += P^T dO;
+  the second dP^T, dS^T = P^T (dP^T - delta) and dK += dS^T Q. So each thread holds one gradient,
+  64 x head_dim_pad (head_dim_pad / 2 fp32: 128 at d = 256), and one 64 x BLOCK_M score tile
+  (32 at BLOCK_M = 64), where holding both gradients would take head_dim_pad, all of the 240
+  registers setmaxnreg gives at d = 256. P^T passes from the first warpgroup to the second through
+  shared memory in fp32, in the accumulator's fragment order (thread t reads back exactly what
+  thread t of the other warpgroup wrote, so dS comes from the same fp32 P as with block_n=128),
+  with named barriers as the handshake (P_FULL / P_FREE, and DS_FULL / DS_FREE for the dS^T tile the
+  second warpgroup writes for dQ). The dQ pieces (64 queries x 64 columns) alternate between the
+  warpgroups; each stages one piece at a time (16 KB) for its bulk reduction.
+  Why this split: the register file bounds the keys per block, since dK and dV of BLOCK_N keys take
+  2 * BLOCK_N * head_dim fp32 registers in the CTA (32 K of the 64 K at d = 256, BLOCK_N = 64);
+  FlashAttention-3 too runs 64 x 80 at d = 256 and 64 x 96 with three warpgroups at d = 192. It
+  splits head-dim columns instead (each warpgroup holds half of both dK^T and dV^T), which needs P
+  and dS in shared memory as operands of both warpgroups; splitting by gradient keeps P^T and dS^T
+  register operands of their products (as with block_n=128) and the score products at N = BLOCK_M,
+  and only P^T crosses between the warpgroups.
+  The shared-memory bound (227 KB): K and V (64 x head_dim_pad each), num_stages Q tiles and as
+  many dO tiles as still fit (at most num_stages: one at d = 256, where FlashAttention-3 too keeps
+  one dO stage), P^T (64 x BLOCK_M fp32), and for dQ the dS^T tile and the two 16 KB pieces. At
+  d = 256, BLOCK_M = 64, num_stages = 2: 64 + 64 + 32 + 16 + 8 + 32 KB = 216 KB, 218 KB with the
+  statistics, barriers and alignment; at d = 192: 48 + 48 + 48 + 16 + 8 + 32 = 200 KB (two dO stages).
 
 Kinds: bwd_sm90_kvq writes dK, dV and dQ; bwd_sm90_kv writes dK and dV (deterministic mode: dQ
 then comes from the query-major bwd_q pass, in a fixed order).
@@ -15,7 +45,7 @@ from __future__ import annotations
 
 from ..params import Params, pointer, scalar, tensormap
 from ..smem import Region, SmemLayout
-from ..spec import KernelSpec, SpecError
+from ..spec import SMEM_LIMIT, KernelSpec, SpecError
 from .backward import STATS_PAD
 from .base import Family
 from .hopper import _tensor_map
@@ -34,7 +64,7 @@ class HopperBackward(Family):
     template = "attention_bwd_sm90.cu.j2"
     fields = ("head_dim", "block_m", "block_n", "dtype", "causal", "num_stages", "arch")
     arguments = ("q", "k", "v", "d_o", "lse_log2", "delta", "dk", "dv", "dq_accum", "scale")
-    tune_space = {"block_m": (64, 128), "block_n": (128,), "num_stages": (2, 3)}
+    tune_space = {"block_m": (64, 128), "block_n": (64, 128), "num_stages": (2, 3)}
 
     @staticmethod
     def head_dim_pad(spec: KernelSpec) -> int:
@@ -46,30 +76,45 @@ class HopperBackward(Family):
         return spec.kind == "bwd_sm90_kvq"
 
     @staticmethod
+    def split(spec: KernelSpec) -> bool:
+        """block_n=64: the consumer warpgroups share the block's keys, one computing dV, one dK."""
+        return spec.block_n == 64
+
+    @staticmethod
     def consumers(spec: KernelSpec) -> int:
-        return spec.block_n // 64
+        return 2
 
     def check(self, spec: KernelSpec) -> None:
         if spec.arch != "sm_90a":
             raise SpecError(f"arch={spec.arch!r}: a {spec.kind} kernel needs sm_90a (TMA, wgmma, setmaxnreg)")
-        if spec.block_n != 128:
-            raise SpecError(f"block_n={spec.block_n}: must be 128 (two consumer warpgroups of 64 keys)")
+        if spec.block_n not in (64, 128):
+            raise SpecError(
+                f"block_n={spec.block_n}: must be 128 (two consumer warpgroups of 64 keys) or 64 (two consumer "
+                f"warpgroups sharing 64 keys, one computing dV and the other dK)"
+            )
         if spec.block_m not in (64, 128) or STATS_PAD % spec.block_m:
             raise SpecError(f"block_m={spec.block_m}: must be 64 or 128 (query rows per step, whole dQ pieces)")
         if spec.num_stages not in (2, 3):
             raise SpecError(f"num_stages={spec.num_stages}: must be 2 or 3 (Q and dO tiles in flight)")
         pad = self.head_dim_pad(spec)
-        if pad > 128:
-            raise SpecError(f"head_dim={spec.head_dim}: a {spec.kind} kernel takes head dims up to 128")
-        # fp32 registers a consumer thread holds at once: dV and dK (pad / 2 each), S^T and dP^T
-        # (block_m / 2 each).
-        held = pad + spec.block_m
+        if self.split(spec):
+            # fp32 registers a consumer thread holds at once: its gradient (dV or dK, pad / 2) and its
+            # score tile (S^T or dP^T, block_m / 2).
+            held, holds = pad // 2 + spec.block_m // 2, "dV or dK, and S^T or dP^T"
+        else:
+            if pad > 128:
+                raise SpecError(
+                    f"head_dim={spec.head_dim}: a {spec.kind} kernel with block_n=128 takes head dims up to 128 "
+                    f"(each consumer thread would hold dV and dK, {pad} fp32); block_n=64 takes up to 256"
+                )
+            # dV and dK (pad / 2 each), S^T and dP^T (block_m / 2 each).
+            held, holds = pad + spec.block_m, "dV, dK, S^T, dP^T"
         if held > 192:
             raise SpecError(
                 f"block_m={spec.block_m}, head_dim={spec.head_dim}: a consumer thread would hold {held} fp32 "
-                f"accumulators (dV, dK, S^T, dP^T); at most 192 fit in its 240 registers (use block_m=64)"
+                f"accumulators ({holds}); at most 192 fit in its 240 registers (use block_m=64)"
             )
-        if self.has_dq(spec) and spec.block_m * pad > MAX_STAGE_FLOATS:
+        if self.has_dq(spec) and not self.split(spec) and spec.block_m * pad > MAX_STAGE_FLOATS:
             raise SpecError(
                 f"block_m={spec.block_m}, head_dim={spec.head_dim}: the dQ tile of a step ({spec.block_m} x {pad} "
                 f"fp32) must fit the {MAX_STAGE_FLOATS * 4 // 1024} KB staging of a warpgroup (use block_m=64)"
@@ -78,16 +123,36 @@ class HopperBackward(Family):
     def threads(self, spec: KernelSpec) -> int:
         return 128 * (self.consumers(spec) + 1)
 
+    def do_stages(self, spec: KernelSpec) -> int:
+        """dO tiles in flight: num_stages, or with block_n=64 as many as fit next to num_stages Q
+        tiles (one at head_dim 256: two would need 250 KB)."""
+        if not self.split(spec):
+            return spec.num_stages
+        limit = SMEM_LIMIT[spec.arch]
+        return next((n for n in range(spec.num_stages, 1, -1) if self._layout(spec, n).size <= limit), 1)
+
     def smem(self, spec: KernelSpec) -> SmemLayout:
+        return self._layout(spec, self.do_stages(spec))
+
+    def _layout(self, spec: KernelSpec, do_stages: int) -> SmemLayout:
         chunks = self.head_dim_pad(spec) // 64
         q_tile = chunks * spec.block_m * 128  # Q or dO: [chunk][BLOCK_M rows][64 columns], swizzled
         kv_tile = chunks * spec.block_n * 128
-        stats = spec.num_stages * spec.block_m * 4
+        stats = spec.block_m * 4
         regions = [
             Region("k", kv_tile, align=1024), Region("v", kv_tile, align=1024),
-            Region("q", spec.num_stages * q_tile, align=1024), Region("do", spec.num_stages * q_tile, align=1024),
-            Region("lse", stats), Region("delta", stats),
+            Region("q", spec.num_stages * q_tile, align=1024), Region("do", do_stages * q_tile, align=1024),
+            Region("lse", spec.num_stages * stats), Region("delta", do_stages * stats),
         ]
+        if self.split(spec):
+            regions.append(Region("p", 64 * spec.block_m * 4))  # P^T in fp32, from one warpgroup to the other
+            if self.has_dq(spec):
+                regions += [
+                    Region("ds", 64 * spec.block_m * 2, align=1024),  # dS^T, [64 keys][BLOCK_M]
+                    Region("dq", self.consumers(spec) * PIECE * PIECE * 4, align=128),  # one fp32 dQ piece each
+                ]
+            regions.append(Region("bar", 8 * (1 + 2 * spec.num_stages + 2 * do_stages), align=8))
+            return SmemLayout(regions)
         if self.has_dq(spec):
             consumers = self.consumers(spec)
             regions += [
@@ -124,7 +189,7 @@ class HopperBackward(Family):
 
     def context(self, spec: KernelSpec) -> dict:
         return {**super().context(spec), "wgmma": True, "has_dq": self.has_dq(spec),
-                "head_dim_pad": self.head_dim_pad(spec)}
+                "head_dim_pad": self.head_dim_pad(spec), "split": self.split(spec), "do_stages": self.do_stages(spec)}
 
     # ---- the dQ accumulator --------------------------------------------------------------------
 
