@@ -28,10 +28,10 @@ import keyword
 from typing import Callable
 
 # dtype name -> C type of a modifier's tensor
-CTYPES = {"float32": "float", "int32": "int", "int64": "long long", "bool": "bool", "uint8": "unsigned char",
+CTYPES = {"float32": "float", "float64": "double", "int32": "int", "int64": "long long", "bool": "bool", "uint8": "unsigned char",
           "int8": "signed char", "int16": "short"}
 INDICES = ("score", "b", "h", "q_idx", "kv_idx")
-RESERVED = {*INDICES, "grad", "mod", "unit", "slope", "diag", "softcap_scale"}
+RESERVED = set(INDICES)  # the rule's own arguments
 
 
 def _dtype_name(tensor) -> str:

@@ -43,6 +43,7 @@ then comes from the query-major bwd_q pass, in a fixed order).
 
 from __future__ import annotations
 
+from .. import variants
 from ..params import Params, pointer, scalar, tensormap
 from ..smem import Region, SmemLayout
 from ..spec import SMEM_LIMIT, KernelSpec, SpecError
@@ -62,8 +63,10 @@ MAX_STAGE_FLOATS = 64 * 128  # fp32 dQ staging per warpgroup: 32 KB
 class HopperBackward(Family):
     kinds = ("bwd_sm90_kvq", "bwd_sm90_kv")
     template = "attention_bwd_sm90.cu.j2"
-    fields = ("head_dim", "block_m", "block_n", "dtype", "causal", "num_stages", "arch")
-    arguments = ("q", "k", "v", "d_o", "lse_log2", "delta", "dk", "dv", "dq_accum", "scale")
+    # Variants: sliding windows (the mask alone). ALiBi and softcap run their backward on the mma.sync
+    # family: the slope's registers spill here, and softcap's derivative is one more tile of them.
+    fields = ("head_dim", "block_m", "block_n", "dtype", "causal", "num_stages", "arch", "window")
+    arguments = ("q", "k", "v", "d_o", "lse_log2", "delta", "dk", "dv", "dq_accum", "scale", *variants.ARGUMENTS)
     tune_space = {"block_m": (64, 128), "block_n": (64, 128), "num_stages": (2, 3)}
 
     @staticmethod
@@ -178,11 +181,12 @@ class HopperBackward(Family):
             scalar("padded_q", "int", "delta.shape[2]"),
             scalar("kv_group", "int", "q.shape[1] // k.shape[1]"),
             scalar("scale", "float"),
-            scalar("scale_log2", "float", "scale * LOG2E"),
+            scalar("scale_log2", "float", variants.scale_log2(spec)),
+            *variants.params(spec),
         ])
 
     def helpers(self, spec: KernelSpec) -> dict:
-        return {"tensor_map": _tensor_map}
+        return {**super().helpers(spec), "tensor_map": _tensor_map}
 
     def grid(self, spec: KernelSpec) -> str:
         return f"(-(-k.shape[2] // {spec.block_n}), k.shape[1], k.shape[0])"

@@ -1,0 +1,94 @@
+"""User rules with no GPU: their checks, their identity (the source, not the tensors' values), the
+code they render, the block mask lists, and the shipped example rules' twins against the built-ins."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashgen import MaskMod, ScoreMod, modifiers, tuning
+from flashgen.blockmask import BlockMasks
+from flashgen.reference import naive_attention
+from flashgen.render import render
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+import rules  # noqa: E402
+
+
+def test_the_source_names_the_tensors_and_dtypes_not_their_values():
+    a = ScoreMod("score + t[h]", lambda *x: x[0], grad="1.f", tensors={"t": torch.zeros(4)})
+    b = ScoreMod("score + t[h]", lambda *x: x[0], grad="1.f", tensors={"t": torch.ones(9)})
+    c = ScoreMod("score + t[h]", lambda *x: x[0], grad="1.f", tensors={"t": torch.ones(4, dtype=torch.int32)})
+    assert a.source == b.source != c.source
+    spec = tuning.forward_spec(64, "bf16", False, "sm_90a", 4096, variant=(("score_mod", a.source),))
+    other = tuning.forward_spec(64, "bf16", False, "sm_90a", 4096, variant=(("score_mod", c.source),))
+    assert spec.name != other.name and "smod" in spec.name and spec.ident != other.ident
+
+
+@pytest.mark.parametrize("cuda", ["", "a; b", "{x}", "score // comment", 3])
+def test_a_bad_expression_is_refused(cuda):
+    with pytest.raises(ValueError, match="score_mod"):
+        ScoreMod(cuda, lambda *x: x[0])
+
+
+@pytest.mark.parametrize("name", ["score", "q_idx", "1x", "for", "a-b"])
+def test_a_bad_tensor_name_is_refused(name):
+    with pytest.raises(ValueError, match="tensor name"):
+        MaskMod("true", lambda *x: True, tensors={name: torch.zeros(1)})
+
+
+def test_a_tensor_of_an_unsupported_dtype_is_refused():
+    with pytest.raises(TypeError, match="dtype"):
+        MaskMod("true", lambda *x: True, tensors={"t": torch.zeros(1, dtype=torch.complex64)})
+
+
+def test_the_rule_renders_as_a_struct_with_its_tensors():
+    rule = rules.documents(torch.zeros(2, 10, dtype=torch.int32))
+    text = modifiers.struct("mask_mod", rule.source)
+    assert "const int* __restrict__ doc;" in text and "doc[b * 10 + q_idx] == doc[b * 10 + kv_idx]" in text
+    spec = tuning.forward_spec(64, "bf16", True, "sm_90a", 4096, variant=(("mask_mod", rule.source),))
+    source = render(spec)
+    assert "const int* __restrict__ mmod_doc" in source and "struct BlockMask" in source and "rule.hides" in source
+    assert spec.kind == "fwd"  # the mma.sync family builds rules
+
+
+def test_a_score_rule_without_gradient_has_no_backward():
+    rule = ScoreMod("score * 2.f", lambda s, *x: 2 * s)
+    with pytest.raises(Exception, match="gradient"):
+        tuning.backward_specs(64, "bf16", False, "sm_90a", False, variant=(("score_mod", rule.source),))
+
+
+def test_the_block_mask_lists_listed_tiles_first_in_order(monkeypatch):
+    states = torch.tensor([[[[0, 2, 1, 0], [1, 0, 0, 2]]]], dtype=torch.uint8)  # 1 x 1 x 2 query tiles x 4 key tiles
+    masks = BlockMasks(rules.prefix_lm(1), False, (-1, -1), 1, 1, 128, 256, torch.device("cpu"), "sm_90a")
+    monkeypatch.setattr(masks, "states", lambda block_m, block_n: states)
+    rows = masks.get(64, 64, key_major=False)
+    assert rows.count.tolist() == [[[2, 2]]]
+    assert rows.index[0, 0, 0, :2].tolist() == [1, 2] and rows.index[0, 0, 1, :2].tolist() == [0, 3]
+    cols = masks.get(64, 64, key_major=True)
+    assert cols.count.tolist() == [[[1, 1, 1, 1]]]
+    assert cols.index[0, 0, :, 0].tolist() == [1, 0, 0, 1] and cols.state[0, 0, 1].tolist() == [2, 0]
+    assert (rows.batch_stride, rows.head_stride) == (0, 0)  # prefix-LM ignores b and h
+
+
+def test_example_rules_equal_the_builtins_in_the_oracle():
+    q, k, v = (torch.randn(2, 4, 70, 16, dtype=torch.float64) for _ in range(3))
+    slopes = torch.rand(4, dtype=torch.float64)
+    a = naive_attention(q, k, v, causal=True, score_mod=rules.alibi(slopes).python)
+    b = naive_attention(q, k, v, causal=True, alibi_slopes=slopes)
+    torch.testing.assert_close(a, b)
+    a = naive_attention(q, k, v, causal=True, mask_mod=rules.sliding_window(9).python)
+    b = naive_attention(q, k, v, causal=True, window_size=(9, 0))
+    torch.testing.assert_close(a, b)
+
+
+def test_rule_tensors_on_another_device_are_refused():
+    from flashgen.api import call_variant
+
+    rule = rules.documents(torch.zeros(1, 8, dtype=torch.int32))
+    q = torch.zeros(1, 1, 8, 64, device="meta")
+    with pytest.raises(ValueError, match="mask_mod"):
+        call_variant(q, False, (-1, -1), 0.0, None, None, rule)
+    with pytest.raises(TypeError, match="score_mod"):
+        call_variant(q, False, (-1, -1), 0.0, None, lambda *x: x, None)
