@@ -170,6 +170,15 @@ def visited_tiles(seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, caus
                for m in range(math.ceil(seqlen_q / block_m)))
 
 
+def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool, window_size=(-1, -1)) -> int:
+    """How many (query, key) pairs the mask keeps (what visible / visible_in_window hold True),
+    counted row by row without forming the mask."""
+    window = _window_bounds(causal, window_size) or ((UNBOUNDED, 0) if causal else (UNBOUNDED, UNBOUNDED))
+    left, right = window
+    diag = seqlen_k - seqlen_q
+    return sum(max(0, min(seqlen_k - 1, i + diag + right) - max(0, i + diag - left) + 1) for i in range(seqlen_q))
+
+
 def tile_schedule(seqlen_q, seqlen_k, block_m, block_n, causal, window_size=(-1, -1)):
     """The kernel's schedule: for each query tile, the key tiles it visits, in the kernel's order
     (last to first)."""

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flashgen.reference import (
-    key_tiles, naive_attention, query_tiles, tile_schedule, tiled_attention, visible, visible_in_window, visited_tiles,
+    key_tiles, naive_attention, query_tiles, tile_schedule, tiled_attention, visible, visible_in_window, visible_pairs, visited_tiles,
 )
 
 # The three-token example: all scores 0, so causal row i averages the first i + 1 values.
@@ -129,15 +129,16 @@ def test_low_precision_reference_differs_a_little():
 
 # ---- the tiles a window's Mask visits (reference.key_tiles / query_tiles mirror mask.cuh.j2) ---------
 
+def kept(seqlen_q, seqlen_k, causal, window_size):
+    """The (seqlen_q, seqlen_k) mask of the (query, key) pairs the rule keeps."""
+    if tuple(window_size) != (-1, -1):
+        return visible_in_window(seqlen_q, seqlen_k, window_size, causal)
+    return visible(seqlen_q, seqlen_k) if causal else torch.ones(seqlen_q, seqlen_k, dtype=torch.bool)
+
+
 def seen_tiles(seqlen_q, seqlen_k, block_m, block_n, causal, window_size):
     """Brute force: the (query tile, key tile) pairs holding at least one (query, key) the rule keeps."""
-    if tuple(window_size) != (-1, -1):
-        keep = visible_in_window(seqlen_q, seqlen_k, window_size, causal)
-    elif causal:
-        keep = visible(seqlen_q, seqlen_k)
-    else:
-        keep = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool)
-    rows, cols = keep.nonzero(as_tuple=True)
+    rows, cols = kept(seqlen_q, seqlen_k, causal, window_size).nonzero(as_tuple=True)
     return set(zip((rows // block_m).tolist(), (cols // block_n).tolist()))
 
 
@@ -156,7 +157,8 @@ def tile_cases():
 
 def test_the_tiles_visited_are_exactly_those_the_window_keeps_something_of():
     """Both walks (query-major: key_tiles; key-major: query_tiles) visit exactly the tiles holding a
-    kept (query, key): nothing kept is skipped, and no empty tile is visited, at either end."""
+    kept (query, key): nothing kept is skipped, and no empty tile is visited, at either end; and
+    visible_pairs counts the kept pairs."""
     for seqlen_q, seqlen_k, block_m, block_n, causal, window in tile_cases():
         expected = seen_tiles(seqlen_q, seqlen_k, block_m, block_n, causal, window)
         by_rows = {(m, n) for m in range(-(-seqlen_q // block_m))
@@ -166,6 +168,7 @@ def test_the_tiles_visited_are_exactly_those_the_window_keeps_something_of():
         case = (seqlen_q, seqlen_k, block_m, block_n, causal, window)
         assert by_rows == expected, case
         assert by_keys == expected, case
+        assert visible_pairs(seqlen_q, seqlen_k, causal, window) == int(kept(seqlen_q, seqlen_k, causal, window).sum()), case
         for key_major in (False, True):
             assert visited_tiles(seqlen_q, seqlen_k, block_m, block_n, causal, window, key_major) == len(expected), case
 
