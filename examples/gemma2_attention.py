@@ -109,12 +109,12 @@ def main(argv=None) -> dict:
     layers = [Gemma2Attention(**shape, window=args.window), Gemma2Attention(**shape)]
     low = [layer.to("cuda", torch.bfloat16) for layer in layers]
     exact = [copy.deepcopy(layer).float() for layer in low]
-    x = torch.randn(args.batch, args.length, args.hidden, device="cuda")
-    d_out = torch.randn_like(x)
+    x = torch.randn(args.batch, args.length, args.hidden, device="cuda", dtype=torch.bfloat16)
+    d_out = torch.randn_like(x)  # one input and one output gradient for the three runs (the fp32 one upcasts them)
 
-    ours = output_and_grads(low, x.bfloat16(), flashgen.attention, d_out)
-    lowp = output_and_grads(low, x.bfloat16(), reference(upcast=False), d_out)
-    ref = output_and_grads(exact, x, reference(upcast=True), d_out)
+    ours = output_and_grads(low, x, flashgen.attention, d_out)
+    lowp = output_and_grads(low, x, reference(upcast=False), d_out)
+    ref = output_and_grads(exact, x.float(), reference(upcast=True), d_out)
     result = {}
     for name, mine, lo, r, factor in zip(("output", "gradients"), ours, lowp, ref, (2, 3)):
         error, bound = (mine - r).abs().max().item(), factor * (lo - r).abs().max().item() + 1e-5

@@ -92,11 +92,21 @@ def test_padded_batch_matches_transformers(kind, side):
         assert error <= bound, f"{kind} {side}-padded {what}: max |flashgen - fp32| {error:.4g} > {factor} x |bf16 - fp32| {bound:.4g}"
 
 
-def test_a_model_no_longer_than_its_window_runs_the_plain_kernels():
+def test_a_model_no_longer_than_its_window_runs_the_plain_kernels(monkeypatch):
     """Rows no longer than the sliding window: no window at all (transformers' flash path says
-    the same), the same logits as eager in bf16 by the same rule."""
+    the same): the kernels get no variant keyword, and the logits match eager's by the same rule."""
+    import flashgen
     import flashgen.integrations.transformers as fg_hf
 
+    seen = []
+
+    def recording(fn):
+        def call(*args, **kwargs):
+            seen.append(sorted(set(kwargs) & {"window_size", "softcap", "alibi_slopes"}))
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(fg_hf, "_kernels", lambda: (recording(flashgen.attention), recording(flashgen.attention_varlen)))
     ours = small_model("mistral", fg_hf.register())
     eager = small_model("mistral", "eager")
     eager.load_state_dict(ours.state_dict())
@@ -105,4 +115,9 @@ def test_a_model_no_longer_than_its_window_runs_the_plain_kernels():
     ids = torch.randint(0, VOCAB, (2, WINDOW), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
     with torch.no_grad():
         mine, low, ref = (m(input_ids=ids).logits.float() for m in (ours, eager, exact))
+    assert seen == [[]] * ours.config.num_hidden_layers
     assert (mine - ref).abs().max() <= 2 * (low - ref).abs().max() + 1e-5
+    seen.clear()
+    with torch.no_grad():
+        ours(input_ids=torch.cat([ids, ids], dim=1))  # longer than the window: the window reaches the kernels
+    assert seen == [["window_size"]] * ours.config.num_hidden_layers
