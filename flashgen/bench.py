@@ -64,17 +64,22 @@ def _inputs(seqlen, head_dim, dtype=torch.bfloat16, device="cuda", heads=None, k
     return [q, k, v]
 
 
-def _kernel_name(q, causal, mode="fwd") -> str:
-    """The kernels flashgen runs for these inputs in this mode: the forward's, and for a backward
-    its main kernels after the prep (the plans are kept after the first call)."""
+def _kernel_specs(q, causal, mode="fwd", variant: tuple[str, ...] = ()) -> list:
+    """The specs of the kernels flashgen runs for these inputs in this mode: the forward's, and for
+    a backward its main kernels after the prep (the plans are kept after the first call);
+    `variant` names the variant fields (flashgen.variants), as the plans key them."""
     from . import plans
 
-    names = []
+    specs = []
     if mode != "bwd":
-        names.append(plans.forward(q.get_device(), q.shape[3], q.dtype, causal, q.shape[2], "").kernels[0].spec.name)
+        specs.append(plans.forward(q.get_device(), q.shape[3], q.dtype, causal, q.shape[2], "", variant).kernels[0].spec)
     if mode != "fwd":
-        names += [k.spec.name for k in plans.backward(q.get_device(), q.shape[3], q.dtype, causal, False, "").kernels[1:]]
-    return " + ".join(names)
+        specs += [k.spec for k in plans.backward(q.get_device(), q.shape[3], q.dtype, causal, False, "", variant).kernels[1:]]
+    return specs
+
+
+def _kernel_name(q, causal, mode="fwd", variant: tuple[str, ...] = ()) -> str:
+    return " + ".join(spec.name for spec in _kernel_specs(q, causal, mode, variant))
 
 
 MODES = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}  # FLOPs relative to the forward
@@ -616,6 +621,294 @@ def run_decode(json_path=None, console=None) -> dict:
         "copy_rate_tbs": rate, "decode": decode_rows(rate=rate), "decode_host_us": decode_host_us(),
     }
     console.print(decode_markdown(report), highlight=False)
+    if json_path:
+        with open(json_path, "w") as file:
+            json.dump(report, file, indent=2)
+    return report
+
+
+# ---- flashgen bench --variants -------------------------------------------------------------------
+
+VARIANT_SEQLEN, VARIANT_HEAD_DIM, SOFTCAP = 8192, 128, 50.0
+WINDOW, WINDOW_SEQLEN = 4096, 16384
+VARIANT_MODES = ("fwd", "bwd")
+
+
+def alibi_slopes(heads: int, device="cuda"):
+    """ALiBi's geometric slopes, 2^(-8 (h + 1) / heads), fp32 (one per head)."""
+    return torch.tensor([2 ** (-8 * (h + 1) / heads) for h in range(heads)], device=device, dtype=torch.float32)
+
+
+def variant_cases(heads: int, device="cuda") -> dict:
+    """name -> (flashgen.attention's keywords, the same variant as a FlexAttention score_mod, or
+    None): softcap 50 * tanh(s / 50); ALiBi -slope[h] * |q - kv| (FlashAttention's, Tq = Tk)."""
+    slopes = alibi_slopes(heads, device)
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return SOFTCAP * torch.tanh(score / SOFTCAP)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx).abs()
+
+    return {"plain": ({}, None), f"softcap {SOFTCAP:g}": ({"softcap": SOFTCAP}, softcap), "alibi": ({"alibi_slopes": slopes}, alibi)}
+
+
+def _causal_mask(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def _window_mask(window: int):
+    def mask(b, h, q_idx, kv_idx):  # itself and the window - 1 keys before it
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
+    return mask
+
+
+def variant_fields(q, causal: bool, kwargs: dict) -> tuple[str, ...]:
+    """The variant fields flashgen's kernels get for attention(q, ..., causal, **kwargs)."""
+    from . import variants
+
+    chosen = variants.make(causal, kwargs.get("window_size", (-1, -1)), kwargs.get("softcap", 0.0),
+                           kwargs.get("alibi_slopes"), q.shape[0], q.shape[1], q.device)
+    return tuple(chosen.fields)
+
+
+def _flashgen(kwargs: dict):
+    from .api import attention
+
+    return lambda q, k, v, causal: attention(q, k, v, causal=causal, **kwargs)
+
+
+_flex_compiled = None
+
+
+def _flex(score_mod, mask_mod, seqlen: int):
+    """FlexAttention under torch.compile (static shapes), with mask_mod's block mask; None where
+    this torch has no FlexAttention."""
+    global _flex_compiled
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None
+    if _flex_compiled is None:
+        import torch._dynamo
+
+        # every case is a recompile of flex_attention (a new score_mod or block mask): keep them all compiled
+        config = torch._dynamo.config
+        limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        setattr(config, limit, max(getattr(config, limit), 64))
+        _flex_compiled = torch.compile(flex_attention, dynamic=False)
+    block_mask = None if mask_mod is None else create_block_mask(mask_mod, None, None, seqlen, seqlen, device="cuda")
+    compiled = _flex_compiled
+    return lambda q, k, v, causal: compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
+
+
+def first_use_s(attention, q, k, v) -> float:
+    """Seconds of the first forward and backward of `attention` (its compiles included), with
+    inductor's caches off so that nothing compiled by an earlier run is reused."""
+    import torch._inductor.config as inductor
+
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with inductor.patch(force_disable_caches=True):
+        out = attention(*leaves, causal=None)
+        out.backward(torch.ones_like(out))
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def cold_compile_s(specs) -> float:
+    """Seconds to render and compile `specs` into an empty cache (flashgen's first use of them)."""
+    from .cache import KernelCache
+
+    with tempfile.TemporaryDirectory() as root:
+        cache = KernelCache(root)
+        start = time.perf_counter()
+        for spec in specs:
+            cache.get(spec)
+        return time.perf_counter() - start
+
+
+def tile_fraction(specs, seqlen: int, window_size) -> float:
+    """The share of the causal (query tile, key tile) pairs that kernels of these specs visit under
+    the causal window `window_size` at Tq = Tk = seqlen: each spec's own tiles, walked as its
+    template walks them (reference.visited_tiles mirrors the Mask); the mean over the specs."""
+    from .families import HopperBackward, KeyMajorBackward, family
+    from .reference import visited_tiles
+
+    shares = []
+    for spec in specs:
+        key_major = isinstance(family(spec.kind), (KeyMajorBackward, HopperBackward))
+        tiles = (seqlen, seqlen, spec.block_m, spec.block_n, True)
+        shares.append(visited_tiles(*tiles, window_size, key_major) / visited_tiles(*tiles, key_major=key_major))
+    return sum(shares) / len(shares)
+
+
+def _measure(name, attention, q, k, v, causal, mode, flops) -> dict:
+    """{name: TFLOPS, name_ms: milliseconds} of one mode; None for both where it cannot run."""
+    if attention is None:
+        return {name: None, f"{name}_ms": None}
+    try:
+        ms = time_ms(_timer(attention, q, k, v, causal, mode))
+    except RuntimeError:
+        return {name: None, f"{name}_ms": None}
+    return {name: flops / ms / 1e9, f"{name}_ms": ms}
+
+
+def variant_rows(modes=VARIANT_MODES, seqlen=VARIANT_SEQLEN, head_dim=VARIANT_HEAD_DIM, flex=True) -> list[dict]:
+    """Plain, softcap and ALiBi, full and causal, for each mode: flashgen and FlexAttention in
+    TFLOPS (the plain count: a variant costs no extra FLOPs) and ms, the time against plain
+    flashgen's, the kernels that ran, and Flex's first use (compiles) of each case."""
+    q, k, v = _inputs(seqlen, head_dim)
+    batch, heads = q.shape[:2]
+    rows = []
+    for causal in (False, True):
+        plain_ms = {}
+        for name, (kwargs, score_mod) in variant_cases(heads, q.device).items():  # plain first
+            theirs = _flex(score_mod, _causal_mask if causal else None, seqlen) if flex else None
+            first = first_use_s(theirs, q, k, v) if theirs else None
+            ours = _flashgen(kwargs)
+            fields = variant_fields(q, causal, kwargs)
+            for mode in modes:
+                flops = MODES[mode] * forward_flops(batch, heads, seqlen, seqlen, head_dim, causal)
+                row = {"variant": name, "causal": causal, "mode": mode, "d": head_dim, "T": seqlen, "B": batch, "heads": heads,
+                       "fields": list(fields)}
+                row.update(_measure("flashgen", ours, q, k, v, causal, mode, flops))
+                row.update(_measure("flex", theirs, q, k, v, causal, mode, flops))
+                plain_ms.setdefault(mode, row["flashgen_ms"])
+                row["vs_plain"] = row["flashgen_ms"] / plain_ms[mode] if row["flashgen_ms"] and plain_ms[mode] else None
+                row["flex_first_s"] = first
+                row["kernel"] = _kernel_name(q, causal, mode, fields)
+                rows.append(row)
+    return rows
+
+
+def window_rows(modes=VARIANT_MODES, seqlen=WINDOW_SEQLEN, window=WINDOW, head_dim=VARIANT_HEAD_DIM, flex=True) -> list[dict]:
+    """A causal sliding window (a query sees itself and window - 1 keys back) against full causal,
+    at seqlen: flashgen's window time next to the time it should take if only the visited tiles
+    cost, the tile fraction (its kernels' own tiles, exactly as the Mask skips them) times full
+    causal on the same kernel (window_size=(seqlen - 1, 0): every causal tile, the same code);
+    the plain causal kernel's time, and FlexAttention's window (block mask) and causal. TFLOPS
+    count the kept (query, key) pairs only (4 d FLOPs per pair and head; backward 2.5x)."""
+    from .reference import visible_pairs
+
+    q, k, v = _inputs(seqlen, head_dim)
+    batch, heads = q.shape[:2]
+    window_size, whole = (window - 1, 0), (seqlen - 1, 0)
+    ours = {"window": _flashgen({"window_size": window_size}), "same": _flashgen({"window_size": whole}), "causal": _flashgen({})}
+    theirs = {"window": None, "causal": None}
+    first = None
+    if flex:
+        theirs = {"window": _flex(None, _window_mask(window), seqlen), "causal": _flex(None, _causal_mask, seqlen)}
+        first = first_use_s(theirs["window"], q, k, v) if theirs["window"] else None
+    pairs = visible_pairs(seqlen, seqlen, True, window_size)
+    fields = variant_fields(q, True, {"window_size": window_size})
+    rows = []
+    for mode in modes:
+        flops = MODES[mode] * 4.0 * batch * heads * head_dim * pairs
+        row = {"variant": f"window {window}", "causal": True, "mode": mode, "d": head_dim, "T": seqlen, "B": batch,
+               "heads": heads, "window": window, "fields": list(fields)}
+        row.update(_measure("flashgen", ours["window"], q, k, v, True, mode, flops))
+        same = _measure("same", ours["same"], q, k, v, True, mode, flops)
+        causal = _measure("causal", ours["causal"], q, k, v, True, mode, flops)
+        row["causal_same_kernel_ms"], row["causal_ms"] = same["same_ms"], causal["causal_ms"]
+        row.update(_measure("flex", theirs["window"], q, k, v, True, mode, flops))
+        row["flex_causal_ms"] = _measure("flex_causal", theirs["causal"], q, k, v, True, mode, flops)["flex_causal_ms"]
+        specs = _kernel_specs(q, True, mode, fields)
+        row["fraction"] = tile_fraction(specs, seqlen, window_size)
+        row["expected_ms"] = row["fraction"] * row["causal_same_kernel_ms"] if row["causal_same_kernel_ms"] else None
+        row["vs_expected"] = row["flashgen_ms"] / row["expected_ms"] if row["flashgen_ms"] and row["expected_ms"] else None
+        row["flex_first_s"] = first
+        row["kernel"] = " + ".join(spec.name for spec in specs)
+        row["causal_kernel"] = _kernel_name(q, True, mode)
+        rows.append(row)
+    return rows
+
+
+def variant_compile_rows(variant_table: list[dict], window_table: list[dict]) -> list[dict]:
+    """Each causal case's first use: flashgen's cold compile of every kernel its forward and
+    backward run (prep included) next to FlexAttention's first forward + backward (compiles)."""
+    from . import tuning
+    from .plans import device_arch
+
+    arch = device_arch(0)
+    rows = []
+    cases = {row["variant"]: row for row in variant_table + window_table if row["causal"]}  # one row per case
+    for row in cases.values():
+        fields = tuple(row["fields"])
+        specs = [tuning.forward_spec(row["d"], "bf16", True, arch, row["T"], variant=fields), tuning.backward_prep(row["d"], "bf16", arch),
+                 *tuning.backward_specs(row["d"], "bf16", True, arch, False, variant=fields)]
+        rows.append({"variant": row["variant"], "T": row["T"], "flashgen_cold_s": cold_compile_s(specs),
+                     "kernels": len(specs), "flex_first_s": row["flex_first_s"]})
+    return rows
+
+
+def variants_report(modes=VARIANT_MODES, flex=True) -> dict:
+    variants = variant_rows(modes, flex=flex)
+    window = window_rows(modes, flex=flex)
+    return {"variants": variants, "window": window, "variant_compile": variant_compile_rows(variants, window)}
+
+
+def _fmt(x, spec=".0f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+VARIANT_COLUMNS = ("variant", "causal", "mode", "flashgen", "ms", "Flex", "Flex ms", "vs Flex", "time vs plain", "kernel")
+WINDOW_COLUMNS = ("mode", "window ms", "expected ms", "window / expected", "tile fraction", "causal ms (same kernel)",
+                  "causal ms", "TFLOPS", "Flex window ms", "Flex causal ms", "kernel")
+VARIANT_COMPILE_COLUMNS = ("variant (causal)", "T", "flashgen cold compile s", "kernels", "Flex first use s")
+
+
+def _table(columns, cells) -> list[str]:
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns), *("| " + " | ".join(c) + " |" for c in cells)]
+
+
+def variants_markdown(report: dict) -> str:
+    """The --variants report's three tables as Markdown (also what the console shows)."""
+    variants, window, compiles = report["variants"], report["window"], report["variant_compile"]
+    lines = []
+    if variants:
+        r = variants[0]
+        lines += [f"Variants, d = {r['d']}, T = {r['T']}, B = {r['B']}, {r['heads']} heads, bf16 (TFLOPS; "
+                  f"plain FLOPs for every variant; Flex = FlexAttention compiled, the variant as score_mod)", ""]
+        lines += _table(VARIANT_COLUMNS, ([
+            r["variant"], "yes" if r["causal"] else "no", r["mode"], _fmt(r["flashgen"]), _fmt(r["flashgen_ms"], ".2f"),
+            _fmt(r["flex"]), _fmt(r["flex_ms"], ".2f"), _ratio(r["flashgen"], r["flex"]), _fmt(r["vs_plain"], ".2f"), r["kernel"],
+        ] for r in variants))
+        lines.append("")
+    if window:
+        r = window[0]
+        lines += [f"Sliding window {r['window']} (causal, window_size = ({r['window'] - 1}, 0)) at T = {r['T']}, B = {r['B']}, "
+                  f"{r['heads']} heads, d = {r['d']}: expected = tile fraction (of the causal tiles, the kernel's own tiles) "
+                  f"x causal on the same kernel; TFLOPS on the kept pairs; Flex with its block mask", ""]
+        lines += _table(WINDOW_COLUMNS, ([
+            r["mode"], _fmt(r["flashgen_ms"], ".2f"), _fmt(r["expected_ms"], ".2f"), _fmt(r["vs_expected"], ".2f"),
+            _fmt(r["fraction"], ".3f"), _fmt(r["causal_same_kernel_ms"], ".2f"), _fmt(r["causal_ms"], ".2f"), _fmt(r["flashgen"]),
+            _fmt(r["flex_ms"], ".2f"), _fmt(r["flex_causal_ms"], ".2f"), r["kernel"],
+        ] for r in window))
+        lines += ["", "plain causal kernels: " + "; ".join(f"{r['mode']} {r['causal_kernel']}" for r in window), ""]
+    if compiles:
+        lines += ["First use: flashgen's cold compile (forward, prep and backward kernels into an empty cache) "
+                  "and FlexAttention's first forward + backward (inductor's caches off)", ""]
+        lines += _table(VARIANT_COMPILE_COLUMNS, ([
+            r["variant"], str(r["T"]), _fmt(r["flashgen_cold_s"], ".1f"), str(r["kernels"]), _fmt(r["flex_first_s"], ".1f"),
+        ] for r in compiles))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def run_variants(json_path=None, console=None, flex=True) -> dict:
+    """`flashgen bench --variants`: the variants next to plain and FlexAttention, the sliding
+    window against its tile fraction of causal, and the first-use costs; printed (and as JSON)."""
+    from rich.console import Console
+
+    console = console or Console()
+    if not torch.cuda.is_available():
+        raise RuntimeError("flashgen bench needs an NVIDIA GPU: PyTorch sees none on this machine")
+    report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+              **variants_report(flex=flex)}
+    console.print(variants_markdown(report), highlight=False)
     if json_path:
         with open(json_path, "w") as file:
             json.dump(report, file, indent=2)

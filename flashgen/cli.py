@@ -219,12 +219,32 @@ def show(resources, **options):
 @click.option("--varlen", is_flag=True, help="instead: attention_varlen on 16 mixed-length sequences against a uniform batch")
 @click.option("--decode", is_flag=True, help="instead: decode steps over a KV cache (attention_with_kvcache), GPU time "
                                              "through CUDA-graph replay next to SDPA and the memory floor, and the host cost")
-def bench(head_dims, seqlens, modes, json_path, markdown_path, plot_path, varlen, decode):
+@click.option("--variants", is_flag=True, help="instead: plain vs softcap vs ALiBi (d=128, T=8k) and a sliding window of "
+                                               "4096 at T=16k against its tile fraction of causal, next to FlexAttention, "
+                                               "and the first-use (compile) costs")
+@click.option("--no-flex", is_flag=True, help="with --variants: leave FlexAttention out")
+def bench(head_dims, seqlens, modes, json_path, markdown_path, plot_path, varlen, decode, variants, no_flex):
     """flashgen next to SDPA's FLASH, CUDNN and EFFICIENT backends, in TFLOPS."""
     from . import bench as benchmark
 
-    if varlen and decode:
-        _fail(click.UsageError("--varlen and --decode are separate benchmarks: ask for one"))
+    if varlen + decode + variants > 1:
+        _fail(click.UsageError("--varlen, --decode and --variants are separate benchmarks: ask for one"))
+    if no_flex and not variants:
+        _fail(click.UsageError("--no-flex goes with --variants"))
+    if variants:
+        if plot_path:
+            _need_matplotlib()
+        try:
+            report = benchmark.run_variants(json_path=json_path, console=console, flex=not no_flex)
+        except RuntimeError as error:
+            _fail(error)
+        if markdown_path:
+            Path(markdown_path).write_text(benchmark.variants_markdown(report))
+        if plot_path:
+            from .plot import plot as draw
+
+            click.echo(f"wrote {draw(report, plot_path)}")
+        return
     if varlen:
         try:
             benchmark.run_varlen(json_path=json_path, console=console)

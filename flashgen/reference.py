@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .variants import UNBOUNDED  # a window side without bound, as the kernel takes it
+
 
 def visible(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
     """Bottom-right aligned causal mask: query i sees key j iff j <= i + seqlen_k - seqlen_q."""
@@ -111,25 +113,82 @@ class TileState:
     o: torch.Tensor  # (..., rows, d) running sum of exp(score - m) * v, not yet divided by l
 
 
-def key_tiles(m0: int, block_m: int, block_n: int, seqlen_q: int, seqlen_k: int, causal: bool) -> range:
-    """The key tiles the query tile at rows [m0, m0 + block_m) visits: the mirror of Mask's
-    key_begin and key_end in templates/mask.cuh.j2 (tiles no row of the tile sees are skipped)."""
-    end = math.ceil(seqlen_k / block_n)
+def _window_bounds(causal: bool, window_size) -> tuple[int, int] | None:
+    """(left, right) as the Mask takes them, or None for no window: FlashAttention's rule (causal
+    caps right at 0; (-1, -1), or causal with left -1, is no window), then -1 -> UNBOUNDED."""
+    left, right = window_size
     if causal:
-        last_key = min(m0 + block_m, seqlen_q) - 1 + seqlen_k - seqlen_q  # of the tile's last row
-        end = 0 if last_key < 0 else min(end, last_key // block_n + 1)
-    return range(0, end)
+        right = 0 if left != -1 else -1
+    if (left, right) == (-1, -1):
+        return None
+    return (UNBOUNDED if left < 0 else left), (UNBOUNDED if right < 0 else right)
 
 
-def tile_schedule(seqlen_q, seqlen_k, block_m, block_n, causal):
+def key_tiles(m0: int, block_m: int, block_n: int, seqlen_q: int, seqlen_k: int, causal: bool,
+              window_size=(-1, -1)) -> range:
+    """The key tiles the query tile at rows [m0, m0 + block_m) visits: the mirror of Mask's
+    key_begin and key_end in templates/mask.cuh.j2 (tiles no row of the tile sees are skipped, at
+    both ends under a window)."""
+    tiles = math.ceil(seqlen_k / block_n)
+    diag = seqlen_k - seqlen_q
+    window = _window_bounds(causal, window_size)
+    if window is None and not causal:
+        return range(0, tiles)
+    left, right = window or (UNBOUNDED, 0)
+    begin = max(0, m0 + diag - left) // block_n if window else 0  # the first key of the tile's first row
+    last_key = min(m0 + block_m, seqlen_q) - 1 + diag + right  # of the tile's last row
+    end = 0 if last_key < 0 else max(begin, min(tiles, last_key // block_n + 1))
+    return range(begin, end)
+
+
+def query_tiles(n0: int, block_m: int, block_n: int, seqlen_q: int, seqlen_k: int, causal: bool,
+                window_size=(-1, -1)) -> range:
+    """The query tiles that visit the key tile at keys [n0, n0 + block_n): the mirror of Mask's
+    query_begin and query_end (what the key-major backward walks)."""
+    tiles = math.ceil(seqlen_q / block_m)
+    diag = seqlen_k - seqlen_q
+    window = _window_bounds(causal, window_size)
+    if window is None and not causal:
+        return range(0, tiles)
+    left, right = window or (UNBOUNDED, 0)
+    begin = max(0, n0 - diag - right) // block_m  # the first query that sees key n0, and its tile
+    if not window:
+        return range(begin, tiles)
+    last_row = min(n0 + block_n, seqlen_k) - 1 - diag + left  # the last query that sees a key of the tile
+    end = 0 if last_row < 0 else max(begin, min(tiles, last_row // block_m + 1))
+    return range(begin, end)
+
+
+def visited_tiles(seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, causal: bool, window_size=(-1, -1),
+                  key_major: bool = False) -> int:
+    """How many (query tile, key tile) pairs a kernel of these tiles visits: query-major (the
+    forward) by key_tiles, key-major (the key-major backward) by query_tiles."""
+    if key_major:
+        return sum(len(query_tiles(n * block_n, block_m, block_n, seqlen_q, seqlen_k, causal, window_size))
+                   for n in range(math.ceil(seqlen_k / block_n)))
+    return sum(len(key_tiles(m * block_m, block_m, block_n, seqlen_q, seqlen_k, causal, window_size))
+               for m in range(math.ceil(seqlen_q / block_m)))
+
+
+def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool, window_size=(-1, -1)) -> int:
+    """How many (query, key) pairs the mask keeps (what visible / visible_in_window hold True),
+    counted row by row without forming the mask."""
+    window = _window_bounds(causal, window_size) or ((UNBOUNDED, 0) if causal else (UNBOUNDED, UNBOUNDED))
+    left, right = window
+    diag = seqlen_k - seqlen_q
+    return sum(max(0, min(seqlen_k - 1, i + diag + right) - max(0, i + diag - left) + 1) for i in range(seqlen_q))
+
+
+def tile_schedule(seqlen_q, seqlen_k, block_m, block_n, causal, window_size=(-1, -1)):
     """The kernel's schedule: for each query tile, the key tiles it visits, in the kernel's order
     (last to first)."""
     for m_block in range(math.ceil(seqlen_q / block_m)):
-        yield m_block, list(reversed(key_tiles(m_block * block_m, block_m, block_n, seqlen_q, seqlen_k, causal)))
+        yield m_block, list(reversed(key_tiles(m_block * block_m, block_m, block_n, seqlen_q, seqlen_k, causal, window_size)))
 
 
-def tiled_attention(q, k, v, causal=False, scale=None, block_m=64, block_n=64, record=None):
-    """Online-softmax attention over tiles, in fp32. Returns (o, lse); appends TileStates to record."""
+def tiled_attention(q, k, v, causal=False, scale=None, block_m=64, block_n=64, record=None, window_size=(-1, -1)):
+    """Online-softmax attention over tiles, in fp32. Returns (o, lse); appends TileStates to record.
+    window_size as naive_attention's: the tiles outside the window are skipped, as the kernel does."""
     dtype = q.dtype
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     k, v = _expand_kv(q, k, v)
@@ -138,7 +197,9 @@ def tiled_attention(q, k, v, causal=False, scale=None, block_m=64, block_n=64, r
     o = torch.zeros_like(q)
     lse = torch.full(q.shape[:-1], -math.inf, device=q.device)
     mask = visible(seqlen_q, seqlen_k, q.device) if causal else None
-    for m_block, n_blocks in tile_schedule(seqlen_q, seqlen_k, block_m, block_n, causal):
+    if tuple(window_size) != (-1, -1):
+        mask = visible_in_window(seqlen_q, seqlen_k, window_size, causal, q.device)
+    for m_block, n_blocks in tile_schedule(seqlen_q, seqlen_k, block_m, block_n, causal, window_size):
         rows = slice(m_block * block_m, min((m_block + 1) * block_m, seqlen_q))
         q_tile = q[..., rows, :]
         m = torch.full(q_tile.shape[:-1], -math.inf, device=q.device)

@@ -1,6 +1,8 @@
-"""The transformers hook without a GPU (and without transformers): with the CPU oracle in place of
-the kernels, a padded batch comes out as each row's real tokens attended alone, and the variants
-flashgen does not have yet are refused by name."""
+"""The transformers hook without a GPU: with the CPU oracle in place of the kernels, a padded batch
+comes out as each row's real tokens attended alone, a model's sliding window and softcap reach the
+kernels as FlashAttention's window_size / softcap, and a small random Gemma-2 (softcap, alternating
+sliding-window layers, GQA) gives transformers' own eager logits and gradients on left- and
+right-padded batches (that one needs transformers)."""
 
 from types import SimpleNamespace
 
@@ -12,17 +14,35 @@ from flashgen.integrations import transformers as hook
 from flashgen.reference import naive_attention
 
 
-def oracle_attention(q, k, v, *, causal=False, scale=None, return_lse=False, deterministic=False):
-    return naive_attention(q, k, v, causal=causal, scale=scale)[0]
+def oracle_attention(q, k, v, *, causal=False, scale=None, return_lse=False, deterministic=False,
+                     window_size=(-1, -1), softcap=0.0):
+    return naive_attention(q, k, v, causal=causal, scale=scale, window_size=window_size, softcap=softcap)[0]
+
+
+def oracle_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None,
+                  causal=False, window_size=(-1, -1), softcap=0.0):
+    """attention_varlen's semantics with the variants: naive attention of each sequence alone."""
+    if (tuple(window_size), softcap) == ((-1, -1), 0.0):
+        return reference.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                          softmax_scale=softmax_scale, causal=causal)
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    outs = []
+    for b in range(len(starts_q) - 1):
+        q_b, k_b, v_b = (t[s[b]:s[b + 1]].transpose(0, 1)[None] for t, s in ((q, starts_q), (k, starts_k), (v, starts_k)))
+        o = naive_attention(q_b, k_b, v_b, causal=causal, scale=softmax_scale, window_size=window_size, softcap=softcap)[0]
+        outs.append(o[0].transpose(0, 1))
+    return torch.cat(outs)
 
 
 @pytest.fixture
 def oracle(monkeypatch):
+    """The CPU oracle in place of the kernels; returns the list of the varlen calls' (cu_q, cu_k,
+    max_q, max_k, variant keywords)."""
     calls = []
 
     def varlen(*args, **kwargs):
-        calls.append(args[3:7])
-        return reference.attention_varlen(*args, **kwargs)
+        calls.append((*args[3:7], {key: kwargs[key] for key in ("window_size", "softcap") if key in kwargs}))
+        return oracle_varlen(*args, **kwargs)
 
     monkeypatch.setattr(hook, "_kernels", lambda: (oracle_attention, varlen))
     return calls
@@ -52,7 +72,8 @@ def test_a_padded_batch_attends_each_row_s_real_tokens_alone(oracle, side):
         alone = naive_attention(q[row:row + 1, :, keep], k[row:row + 1, :, keep], v[row:row + 1, :, keep], causal=True, scale=0.25)[0]
         torch.testing.assert_close(out[row, keep], alone[0].transpose(0, 1), atol=1e-6, rtol=0)
         assert torch.equal(out[row, ~keep], torch.zeros_like(out[row, ~keep]))  # padded query rows
-    (cu_q, cu_k, max_q, max_k), = oracle
+    (cu_q, cu_k, max_q, max_k, variants), = oracle
+    assert variants == {}  # a plain model: the plain kernels
     assert cu_q.dtype == torch.int32 and cu_q.tolist() == [0, 7, 11] and (max_q, max_k) == (7, 7)
 
 
@@ -66,36 +87,130 @@ def test_no_mask_runs_attention_and_packed_sequences_run_varlen_directly(oracle)
     torch.testing.assert_close(out[0], expected)
 
 
-@pytest.mark.parametrize("settings, named", [
-    (dict(sliding_window=3), "sliding_window"),
-    (dict(softcap=30.0), "softcap"),
-    (dict(sliding_window=3, softcap=30.0), "sliding_window and softcap"),
-])
-def test_variants_flashgen_lacks_are_refused_by_name(oracle, settings, named):
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_a_sliding_window_and_softcap_reach_the_kernels_and_count_real_tokens(oracle, side):
+    """sliding_window=3: a query sees itself and 2 keys before it (transformers' masks), i.e.
+    FlashAttention's window_size=(2, 0) with causal; in a padded row the window counts real tokens."""
     q, k, v = qkv()
-    with pytest.raises(ValueError, match=f"this model sets {named}, which flashgen's attention does not support yet"):
-        hook.attention_forward(MODULE, q, k, v, None, **settings)
+    mask = torch.zeros(2, 7, dtype=torch.bool)
+    mask[0], mask[1, :4] = True, True
+    if side == "left":
+        mask = mask.flip(1)
+    out, _ = hook.attention_forward(MODULE, q, k, v, mask, scaling=0.25, sliding_window=3, softcap=2.0)
+    for row in range(2):
+        keep = mask[row]
+        q_r, k_r, v_r = (t[row:row + 1, :, keep] for t in (q, k, v))
+        n = int(keep.sum())
+        scores = torch.matmul(q_r, k_r.repeat_interleave(2, 1).transpose(-1, -2)) * 0.25
+        scores = 2.0 * torch.tanh(scores / 2.0)
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        scores = scores.masked_fill(~((j <= i) & (j > i - 3)), float("-inf"))  # kv_idx > q_idx - sliding_window
+        alone = torch.matmul(scores.softmax(-1), v_r.repeat_interleave(2, 1))
+        torch.testing.assert_close(out[row, keep], alone[0].transpose(0, 1), atol=1e-6, rtol=0)
+    (*_, variants), = oracle
+    assert variants == {"window_size": (2, 0), "softcap": 2.0}
 
 
-def test_settings_that_change_nothing_pass(oracle):
+def test_settings_that_change_nothing_pass(monkeypatch):
     """A window at least as long as the keys is no window, and softcap 0 or None is none: such a
-    model runs, and the kernels get no variant keyword."""
+    model runs on the plain kernels (no variant keyword reaches them)."""
+    seen = record(monkeypatch)
     q, k, v = qkv(batch=1)
     out, _ = hook.attention_forward(MODULE, q, k, v, None, sliding_window=7, softcap=0.0)
     torch.testing.assert_close(out, naive_attention(q, k, v, causal=True)[0].transpose(1, 2))
+    hook.attention_forward(MODULE, q, k, v, None, sliding_window=None, softcap=None)
+    assert seen == [{}, {}]
 
 
-def test_variants_reach_kernels_that_take_them(monkeypatch):
-    seen = {}
+@pytest.mark.parametrize("causal, window", [(True, (2, 0)), (False, (2, 2))])
+def test_the_window_is_flash_attention_s_of_transformers_flash_path(monkeypatch, causal, window):
+    """transformers' flash path: window_size = (sliding_window - 1, sliding_window - 1), which
+    FlashAttention caps at right = 0 when causal (and which bidirectional models such as ModernBERT
+    size their sliding_window for)."""
+    seen = record(monkeypatch)
+    q, k, v = qkv(batch=1)
+    hook.attention_forward(SimpleNamespace(training=False, is_causal=causal), q, k, v, None, sliding_window=3, softcap=50.0)
+    assert seen == [{"window_size": window, "softcap": 50.0}]
 
-    def attention(q, k, v, *, causal=False, scale=None, window_size=(-1, -1), softcap=0.0):
-        seen.update(window_size=window_size, softcap=softcap)
-        return oracle_attention(q, k, v, causal=causal, scale=scale)
 
-    def varlen(*args, window_size=(-1, -1), softcap=0.0, **kwargs):
-        return reference.attention_varlen(*args, **kwargs)
+def record(monkeypatch):
+    """attention() and attention_varlen() as the oracle, recording the variant keywords of each call."""
+    seen = []
+
+    def attention(q, k, v, **kwargs):
+        seen.append({key: kwargs[key] for key in ("window_size", "softcap") if key in kwargs})
+        return oracle_attention(q, k, v, **kwargs)
+
+    def varlen(*args, **kwargs):
+        seen.append({key: kwargs[key] for key in ("window_size", "softcap") if key in kwargs})
+        return oracle_varlen(*args, **kwargs)
 
     monkeypatch.setattr(hook, "_kernels", lambda: (attention, varlen))
-    q, k, v = qkv(batch=1)
-    hook.attention_forward(MODULE, q, k, v, None, sliding_window=3, softcap=50.0)
-    assert seen == {"window_size": (2, 0), "softcap": 50.0}
+    return seen
+
+
+# ---- a small random Gemma-2 against transformers' eager attention --------------------------------
+
+LENGTHS = [24, 17, 5]  # one row unpadded, one shorter than the window
+
+
+def small_gemma2(attn_implementation, **settings):
+    """Gemma-2's attention, small: logit softcap, sliding-window and full layers alternating (a window
+    of 8, shorter than the rows), GQA (4 query heads on 2), scale 1/sqrt(query_pre_attn_scalar)
+    != 1/sqrt(head_dim). The query/key weights are scaled up so that the scores reach the cap's
+    range (at the default init they stay near 0, where tanh is the identity)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(**{**dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=32, sliding_window=8, attn_logit_softcapping=5.0,
+        final_logit_softcapping=None, attention_dropout=0.0, attn_implementation=attn_implementation), **settings})
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight *= 6
+            layer.self_attn.k_proj.weight *= 6
+    return model
+
+
+def padded_batch(side, vocab=128):
+    gen = torch.Generator().manual_seed(1)
+    width = max(LENGTHS)
+    mask = torch.zeros(len(LENGTHS), width, dtype=torch.long)
+    for row, n in enumerate(LENGTHS):
+        mask[row, :n] = 1
+    if side == "left":
+        mask = mask.flip(1)
+    return torch.randint(0, vocab, mask.shape, generator=gen), mask, torch.randint(0, vocab, mask.shape, generator=gen)
+
+
+def logits_and_grads(model, ids, mask, labels):
+    """Logits at the real tokens, and every parameter's gradient of the loss over them, flat."""
+    model.zero_grad(set_to_none=True)
+    positions = (mask.cumsum(1) - 1).clamp_min(0)  # each row's real tokens count from 0
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    real = mask.bool()
+    torch.nn.functional.cross_entropy(logits[real], labels[real]).backward()
+    return logits[real].detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_a_gemma2_matches_transformers_eager_on_a_padded_batch(oracle, side):
+    pytest.importorskip("transformers")
+    name = hook.register()
+    ours = small_gemma2(name)
+    assert ours.config._attn_implementation == name  # transformers took the registered name
+    assert ours.config.layer_types == ["sliding_attention", "full_attention"] * 2
+    eager = small_gemma2("eager")
+    batch = padded_batch(side)
+    logits, grads = logits_and_grads(ours, *batch)
+    ref_logits, ref_grads = logits_and_grads(eager, *batch)
+    # fp32 on both sides: the same computation up to the order of the sums
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads, ref_grads, rtol=1e-4, atol=1e-5)
+    assert {tuple(sorted(v)) for *_, v in oracle} == {("softcap", "window_size"), ("softcap",)}
+    # and the settings matter here: without the window, or without the cap, the logits move far
+    for settings in (dict(sliding_window=64), dict(attn_logit_softcapping=None)):
+        other, _ = logits_and_grads(small_gemma2("eager", **settings), *batch)
+        assert (other - ref_logits).abs().max() > 1000 * 1e-5, settings

@@ -5,7 +5,9 @@ import math
 import pytest
 import torch
 
-from flashgen.reference import naive_attention, tile_schedule, tiled_attention
+from flashgen.reference import (
+    key_tiles, naive_attention, query_tiles, tile_schedule, tiled_attention, visible, visible_in_window, visible_pairs, visited_tiles,
+)
 
 # The three-token example: all scores 0, so causal row i averages the first i + 1 values.
 Q3 = K3 = torch.zeros(1, 1, 3, 2)
@@ -123,3 +125,72 @@ def test_low_precision_reference_differs_a_little():
     assert exact.dtype == low.dtype == torch.bfloat16
     diff = (exact.float() - low.float()).abs().max().item()
     assert 0 < diff < 0.05
+
+
+# ---- the tiles a window's Mask visits (reference.key_tiles / query_tiles mirror mask.cuh.j2) ---------
+
+def kept(seqlen_q, seqlen_k, causal, window_size):
+    """The (seqlen_q, seqlen_k) mask of the (query, key) pairs the rule keeps."""
+    if tuple(window_size) != (-1, -1):
+        return visible_in_window(seqlen_q, seqlen_k, window_size, causal)
+    return visible(seqlen_q, seqlen_k) if causal else torch.ones(seqlen_q, seqlen_k, dtype=torch.bool)
+
+
+def seen_tiles(seqlen_q, seqlen_k, block_m, block_n, causal, window_size):
+    """Brute force: the (query tile, key tile) pairs holding at least one (query, key) the rule keeps."""
+    rows, cols = kept(seqlen_q, seqlen_k, causal, window_size).nonzero(as_tuple=True)
+    return set(zip((rows // block_m).tolist(), (cols // block_n).tolist()))
+
+
+def tile_cases():
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(400):
+        seqlen_q, seqlen_k = (int(x) for x in torch.randint(1, 200, (2,), generator=gen))
+        block_m, block_n = (int(x) for x in torch.tensor([16, 32, 64, 128])[torch.randint(0, 4, (2,), generator=gen)])
+        left, right = (int(x) for x in torch.randint(-1, 150, (2,), generator=gen))
+        causal = bool(torch.randint(0, 2, (1,), generator=gen))
+        yield seqlen_q, seqlen_k, block_m, block_n, causal, (left, right)
+    yield 100, 100, 64, 64, True, (-1, -1)
+    yield 100, 100, 64, 64, False, (-1, -1)
+    yield 7, 300, 16, 64, False, (0, 0)  # decode-like: few rows, a narrow band far to the right
+
+
+def test_the_tiles_visited_are_exactly_those_the_window_keeps_something_of():
+    """Both walks (query-major: key_tiles; key-major: query_tiles) visit exactly the tiles holding a
+    kept (query, key): nothing kept is skipped, and no empty tile is visited, at either end; and
+    visible_pairs counts the kept pairs."""
+    for seqlen_q, seqlen_k, block_m, block_n, causal, window in tile_cases():
+        expected = seen_tiles(seqlen_q, seqlen_k, block_m, block_n, causal, window)
+        by_rows = {(m, n) for m in range(-(-seqlen_q // block_m))
+                   for n in key_tiles(m * block_m, block_m, block_n, seqlen_q, seqlen_k, causal, window)}
+        by_keys = {(m, n) for n in range(-(-seqlen_k // block_n))
+                   for m in query_tiles(n * block_n, block_m, block_n, seqlen_q, seqlen_k, causal, window)}
+        case = (seqlen_q, seqlen_k, block_m, block_n, causal, window)
+        assert by_rows == expected, case
+        assert by_keys == expected, case
+        assert visible_pairs(seqlen_q, seqlen_k, causal, window) == int(kept(seqlen_q, seqlen_k, causal, window).sum()), case
+        for key_major in (False, True):
+            assert visited_tiles(seqlen_q, seqlen_k, block_m, block_n, causal, window, key_major) == len(expected), case
+
+
+def test_a_sliding_window_visits_its_band_of_tiles():
+    """T = 16k, a causal window of 4096 (left 4095) in 64 x 64 tiles: each query tile visits the 65
+    key tiles its rows reach (64 at the start, fewer), against the causal triangle's."""
+    causal = visited_tiles(16384, 16384, 64, 64, True)
+    assert causal == 256 * 257 // 2
+    window = visited_tiles(16384, 16384, 64, 64, True, (4095, 0))
+    assert window == sum(min(m + 1, 65) for m in range(256))
+    assert window == visited_tiles(16384, 16384, 64, 64, True, (4095, 0), key_major=True)
+    assert visited_tiles(16384, 16384, 64, 64, True, (16383, 0)) == causal  # a window as long as the keys: causal's
+
+
+def test_tiled_attention_skips_the_tiles_outside_a_window_and_still_matches():
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=gen) for n in (90, 120, 120))
+    for causal, window in ((True, (20, 0)), (False, (10, 33)), (False, (-1, 5))):
+        record = []
+        o, lse = tiled_attention(q, k, v, causal=causal, block_m=16, block_n=16, record=record, window_size=window)
+        ref_o, ref_lse = naive_attention(q, k, v, causal=causal, window_size=window)
+        torch.testing.assert_close(o, ref_o, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+        assert len(record) == len(seen_tiles(90, 120, 16, 16, causal, window)) < 6 * 8

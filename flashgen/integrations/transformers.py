@@ -9,16 +9,19 @@ hub-kernel implementations and tries to load that, so "flashgen" itself cannot b
 
 What transformers passes is read as its FlashAttention path reads it: query/key/value as
 (batch, heads, length, d) with fewer key/value heads under GQA (never repeated here), `scaling`,
-`sliding_window` (a query sees itself and the `sliding_window - 1` keys before it), `softcap`,
-`is_causal`, and the attention mask as the 2-D (batch, kv length) padding mask that transformers'
-`flash_attention_mask` makes (None when nothing is padded). A sliding window shorter than the keys,
-or a softcap, is passed on as FlashAttention's `window_size` / `softcap` only when the model sets
-it, and only to kernels that take those keywords: until flashgen's attention variants exist, such a
-model gets a ValueError naming sliding_window / softcap. A padded batch is run exactly: the real
-tokens of each row are gathered into one packed batch for `flashgen.attention_varlen` (so no work
-and no probability mass goes to padding) and scattered back; padded query rows come out as zeros.
-Packed sequences (`cu_seq_lens_q`/`cu_seq_lens_k` from a data collator) go to `attention_varlen`
-directly.
+`sliding_window`, `softcap`, `is_causal`, and the attention mask as the 2-D (batch, kv length)
+padding mask that transformers' `flash_attention_mask` makes (None when nothing is padded).
+A sliding window shorter than the keys becomes FlashAttention's `window_size=(sliding_window - 1,
+sliding_window - 1)`, the right side 0 when causal: a query sees itself and the `sliding_window - 1`
+keys before it, which is transformers' own sliding-window mask for sdpa and eager
+(`sliding_window_overlay`: kv_idx > q_idx - sliding_window) and its flash path's window. A softcap
+(Gemma-2's attn_logit_softcapping) is passed as `softcap`: softcap * tanh(scores / softcap), as
+eager computes it. A padded batch is run exactly: the real tokens of each row are gathered into
+one packed batch for `flashgen.attention_varlen` (so no work and no probability mass goes to
+padding) and scattered back; padded query rows come out as zeros. The window then counts a row's
+real tokens, as the flash path does; for left- or right-padded rows that is also what the sdpa and
+eager masks count (their positions include the padding, but it lies all on one side). Packed sequences (`cu_seq_lens_q`/`cu_seq_lens_k` from a data collator)
+go to `attention_varlen` directly.
 """
 
 from __future__ import annotations
@@ -61,13 +64,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     head_dim, v_head_dim = query.shape[-1], value.shape[-1]
     if v_head_dim != head_dim:  # e.g. MLA: pad V to the query's head dim, crop the output
         value = torch.nn.functional.pad(value, [0, head_dim - v_head_dim])
-    options = {}  # the variants this model uses, in FlashAttention's keywords
+    options = {}  # the variants this model uses, in FlashAttention's keywords (none: the plain kernels)
     if sliding_window is not None and sliding_window < key.shape[2]:
-        options["window_size"] = (sliding_window - 1, sliding_window - 1 if not is_causal else 0)
+        options["window_size"] = (sliding_window - 1, 0 if is_causal else sliding_window - 1)
     if softcap:
         options["softcap"] = float(softcap)
-    if options:
-        _check_variants(options, attention, attention_varlen)
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None and cu_k is not None and query.shape[0] == 1:
@@ -81,22 +82,6 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     else:
         out = _padded(attention_varlen, query, key, value, attention_mask, is_causal, scaling, options)
     return out[..., :v_head_dim].contiguous(), None
-
-
-_SETTINGS = {"window_size": "sliding_window", "softcap": "softcap"}  # FlashAttention keyword -> transformers'
-
-
-def _check_variants(options: dict, *kernels) -> None:
-    """Raise a ValueError naming the model's settings that the kernels take no keyword for."""
-    import inspect
-
-    missing = [name for name in options if any(name not in inspect.signature(fn).parameters for fn in kernels)]
-    if missing:
-        settings = " and ".join(_SETTINGS[name] for name in missing)
-        raise ValueError(
-            f"this model sets {settings}, which flashgen's attention does not support yet (the attention "
-            f"variants come later); load it with attn_implementation='sdpa' (or 'eager') instead"
-        )
 
 
 def _padded(attention_varlen, query, key, value, mask, causal, scale, options):
