@@ -844,10 +844,98 @@ def variant_compile_rows(variant_table: list[dict], window_table: list[dict]) ->
     return rows
 
 
+RULE_SEQLEN, RULE_HEAD_DIM, RULE_PREFIX, RULE_DOCUMENTS = 8192, 64, 1024, 4
+
+
+def rule_cases(batch: int, heads: int, seqlen: int, device="cuda") -> dict:
+    """name -> (causal, flashgen.attention's keywords with a user rule, the same rule as FlexAttention's
+    (score_mod, mask_mod)): ALiBi as a score rule, document masking (RULE_DOCUMENTS equal documents
+    per row, causal) and prefix-LM (the first RULE_PREFIX tokens bidirectional)."""
+    from .modifiers import MaskMod, ScoreMod
+
+    slopes = alibi_slopes(heads, device)
+    doc = torch.repeat_interleave(torch.arange(RULE_DOCUMENTS, device=device, dtype=torch.int32),
+                                  seqlen // RULE_DOCUMENTS).repeat(batch, 1)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx).abs()
+
+    def documents(b, h, q_idx, kv_idx):
+        return (doc[b, q_idx] == doc[b, kv_idx]) & (q_idx >= kv_idx)
+
+    def prefix(b, h, q_idx, kv_idx):
+        return (kv_idx < RULE_PREFIX) | (kv_idx <= q_idx)
+
+    return {
+        "alibi (score rule)": (True, {"score_mod": ScoreMod("score - slope[h] * fabsf(float(q_idx - kv_idx))", alibi, grad="1.f",
+                                                            tensors={"slope": slopes})}, (alibi, _causal_mask)),
+        "documents (mask rule)": (True, {"mask_mod": MaskMod(f"doc[b * {seqlen} + q_idx] == doc[b * {seqlen} + kv_idx]",
+                                                             documents, tensors={"doc": doc}, per_head=False)}, (None, documents)),
+        "prefix-LM (mask rule)": (False, {"mask_mod": MaskMod(f"kv_idx < {RULE_PREFIX} || kv_idx <= q_idx", prefix,
+                                                              per_batch=False, per_head=False)}, (None, prefix)),
+    }
+
+
+def flashgen_first_use_s(attention, q, k, v, causal: bool) -> float:
+    """Seconds of flashgen's first forward and backward of a call: an empty disk cache and no kernel
+    or plan in memory, so every kernel it runs is rendered, compiled and loaded (and a rule's block
+    mask made)."""
+    import os
+
+    from . import blockmask, kernels, plans
+
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    previous = os.environ.get("FLASHGEN_CACHE_DIR")
+    with tempfile.TemporaryDirectory() as root:
+        os.environ["FLASHGEN_CACHE_DIR"] = root
+        kernels.clear(), plans.clear(), blockmask.clear()
+        try:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = attention(*leaves, causal=causal)
+            out.backward(torch.ones_like(out))
+            torch.cuda.synchronize()
+            return time.perf_counter() - start
+        finally:
+            if previous is None:
+                os.environ.pop("FLASHGEN_CACHE_DIR")
+            else:
+                os.environ["FLASHGEN_CACHE_DIR"] = previous
+            kernels.clear(), plans.clear()
+
+
+def rule_fields(kwargs: dict) -> tuple:
+    return tuple((field, kwargs[field].source) for field in ("score_mod", "mask_mod") if field in kwargs)
+
+
+def rule_rows(modes=VARIANT_MODES, seqlen=RULE_SEQLEN, head_dim=RULE_HEAD_DIM, flex=True) -> list[dict]:
+    """User rules next to FlexAttention running the same rules: TFLOPS on the plain count (causal or
+    full, whichever the rule's call is), ms, first use of each (compiles included) and the kernels."""
+    q, k, v = _inputs(seqlen, head_dim)
+    batch, heads = q.shape[:2]
+    rows = []
+    for name, (causal, kwargs, (score_mod, mask_mod)) in rule_cases(batch, heads, seqlen, q.device).items():
+        theirs = _flex(score_mod, mask_mod, seqlen) if flex else None
+        first = first_use_s(theirs, q, k, v) if theirs else None
+        ours = _flashgen(kwargs)
+        fields = rule_fields(kwargs)
+        mine_first = flashgen_first_use_s(ours, q, k, v, causal)
+        for mode in modes:
+            flops = MODES[mode] * forward_flops(batch, heads, seqlen, seqlen, head_dim, causal)
+            row = {"variant": name, "causal": causal, "mode": mode, "d": head_dim, "T": seqlen, "B": batch, "heads": heads}
+            row.update(_measure("flashgen", ours, q, k, v, causal, mode, flops))
+            row.update(_measure("flex", theirs, q, k, v, causal, mode, flops))
+            row["flex_first_s"], row["flashgen_first_s"] = first, mine_first
+            row["kernel"] = _kernel_name(q, causal, mode, fields)
+            rows.append(row)
+    return rows
+
+
 def variants_report(modes=VARIANT_MODES, flex=True) -> dict:
     variants = variant_rows(modes, flex=flex)
     window = window_rows(modes, flex=flex)
-    return {"variants": variants, "window": window, "variant_compile": variant_compile_rows(variants, window)}
+    return {"variants": variants, "window": window, "variant_compile": variant_compile_rows(variants, window),
+            "rules": rule_rows(modes, flex=flex)}
 
 
 def _fmt(x, spec=".0f") -> str:
@@ -858,6 +946,7 @@ VARIANT_COLUMNS = ("variant", "causal", "mode", "flashgen", "ms", "Flex", "Flex 
 WINDOW_COLUMNS = ("mode", "window ms", "expected ms", "window / expected", "tile fraction", "causal ms (same kernel)",
                   "causal ms", "TFLOPS", "Flex window ms", "Flex causal ms", "kernel")
 VARIANT_COMPILE_COLUMNS = ("variant (causal)", "T", "flashgen cold compile s", "kernels", "Flex first use s")
+RULE_COLUMNS = ("rule", "causal", "mode", "flashgen", "ms", "Flex", "Flex ms", "vs Flex", "first use s", "Flex first use s", "kernel")
 
 
 def _table(columns, cells) -> list[str]:
@@ -894,6 +983,17 @@ def variants_markdown(report: dict) -> str:
         lines += _table(VARIANT_COMPILE_COLUMNS, ([
             r["variant"], str(r["T"]), _fmt(r["flashgen_cold_s"], ".1f"), str(r["kernels"]), _fmt(r["flex_first_s"], ".1f"),
         ] for r in compiles))
+        lines.append("")
+    rules = report.get("rules") or []
+    if rules:
+        r = rules[0]
+        lines += [f"User rules, d = {r['d']}, T = {r['T']}, B = {r['B']}, {r['heads']} heads, bf16 (TFLOPS on the plain count; "
+                  f"first use = the first forward + backward, compiles included, each side's caches cold)", ""]
+        lines += _table(RULE_COLUMNS, ([
+            r["variant"], "yes" if r["causal"] else "no", r["mode"], _fmt(r["flashgen"]), _fmt(r["flashgen_ms"], ".2f"),
+            _fmt(r["flex"]), _fmt(r["flex_ms"], ".2f"), _ratio(r["flashgen"], r["flex"]), _fmt(r["flashgen_first_s"], ".1f"),
+            _fmt(r["flex_first_s"], ".1f"), r["kernel"],
+        ] for r in rules))
         lines.append("")
     return "\n".join(lines)
 

@@ -183,3 +183,18 @@ def test_the_report_builds_its_tables_with_stand_ins(monkeypatch):
     assert [(r["variant"], r["kernels"]) for r in compiles] == [("plain", 3), ("softcap 50", 3), ("alibi", 3), ("window 128", 3)]
     text = bench.variants_markdown({"variants": variants, "window": window, "variant_compile": compiles})
     assert sum(line.startswith("| ") for line in text.splitlines()) == 3 + len(variants) + len(window) + len(compiles)  # 3 headers
+
+
+def test_flex_gets_the_user_rules_flashgen_runs():
+    """Each rule case's FlexAttention (score_mod, mask_mod) gives, through the oracle, what
+    flashgen's call (its rule's Python twin, and causal) gives."""
+    monkey_seqlen = 64
+    q, k, v = qkv(length=monkey_seqlen)
+    cases = bench.rule_cases(batch=2, heads=4, seqlen=monkey_seqlen, device="cpu")
+    assert set(cases) == {"alibi (score rule)", "documents (mask rule)", "prefix-LM (mask rule)"}
+    for name, (causal, kwargs, (score_mod, mask_mod)) in cases.items():
+        twins = {key: rule.python for key, rule in kwargs.items()}
+        ours = naive_attention(q, k, v, causal=causal, **twins)[0]
+        theirs = naive_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)[0]
+        torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+        assert bench.rule_fields(kwargs)[0][1] == next(iter(kwargs.values())).source, name
