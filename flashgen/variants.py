@@ -112,7 +112,7 @@ def params(spec, tiles: tuple[int, int, bool] | None = None) -> list[Param]:
         out += [pointer("alibi_slopes", "const float*"),
                 scalar("alibi_batch_stride", "int", "alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0"),
                 # slopes in the units of the value the softmax takes (score.cuh.j2)
-                scalar("alibi_scale", "float", unit(spec, "1.0 / softcap", "1.0 / scale"))]
+                scalar("alibi_scale", "float", "1.0 / softcap" if spec.softcap else "1.0 / scale")]
     for kind in ("score_mod", "mask_mod"):
         source = getattr(spec, kind)
         if source:
@@ -127,12 +127,6 @@ def params(spec, tiles: tuple[int, int, bool] | None = None) -> list[Param]:
                 Param("bm_state", "const unsigned char* __restrict__", "ptr", f"{lists}.state.data_ptr()"),
                 scalar("bm_batch", "int", f"{lists}.batch_stride"), scalar("bm_head", "int", f"{lists}.head_stride")]
     return out
-
-
-def unit(spec, with_softcap: str, without: str) -> str:
-    """A host expression that depends on the value the score piece leaves: natural units (1) with a
-    score_mod, else softcap's or the scale's."""
-    return "1.0" if spec.score_mod else with_softcap if spec.softcap else without
 
 
 def scale_log2(spec) -> str:
