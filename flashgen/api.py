@@ -139,7 +139,8 @@ def _backward(ctx, d_o, d_lse, backward=attention_bwd):
     if d_o is None:
         d_o = torch.zeros_like(o)
     dq, dk, dv = backward(d_o, q, k, v, o, lse, d_lse, ctx.causal, ctx.scale, ctx.deterministic, ctx.kernel, *ctx.variant)
-    return dq, dk, dv, None, None, None, None, *(None for _ in ctx.variant)  # none for slopes or a rule's tensors
+    # no gradient for the variant's arguments: the slopes, a rule's source and tensors (a list each)
+    return dq, dk, dv, None, None, None, None, *([None] * len(a) if isinstance(a, list) else None for a in ctx.variant)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)

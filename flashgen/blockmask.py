@@ -76,11 +76,10 @@ class BlockMasks:
                           window=self.window != (-1, -1), mask_mod=self.rule.source, arch=self.arch)
         rows, cols = -(-self.seqlen_q // block_m), -(-self.seqlen_k // block_n)
         states = torch.empty(self.batches, self.heads, rows, cols, dtype=torch.uint8, device=self.device)
-        kernels.get(spec).launch(
-            self.device.index, states=states, seqlen_q=self.seqlen_q, seqlen_k=self.seqlen_k, batches=self.batches,
-            heads=self.heads, window_left=self.window[0], window_right=self.window[1],
-            mask_mod_tensors=self.rule.arguments(),
-        )
+        kernel = kernels.get(spec)
+        values = dict(states=states, seqlen_q=self.seqlen_q, seqlen_k=self.seqlen_k, batches=self.batches, heads=self.heads,
+                      window_left=self.window[0], window_right=self.window[1], mask_mod_tensors=self.rule.arguments())
+        kernel.launch(self.device.index, **{name: values[name] for name in kernel.arguments})
         return states
 
     def _make(self, block_m: int, block_n: int, key_major: bool) -> Lists:

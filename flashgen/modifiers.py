@@ -90,10 +90,7 @@ class ScoreMod(_Modifier):
         if grad:
             _check("score_mod grad", grad, {})
         self.grad = grad
-
-    @property
-    def source(self) -> str:
-        return self._source(grad=self.grad)
+        self.source = self._source(grad=grad)  # made once: torch.compile reads it as a constant
 
 
 class MaskMod(_Modifier):
@@ -107,10 +104,7 @@ class MaskMod(_Modifier):
                  per_head: bool = True):
         super().__init__(cuda, python, tensors)
         self.per_batch, self.per_head = bool(per_batch), bool(per_head)
-
-    @property
-    def source(self) -> str:
-        return self._source(per_batch=self.per_batch, per_head=self.per_head)
+        self.source = self._source(per_batch=self.per_batch, per_head=self.per_head)
 
 
 class Rule:
