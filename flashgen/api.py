@@ -134,13 +134,13 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # an unused lse then costs nothing in the backward
 
 
-def _backward(ctx, d_o, d_lse, backward=attention_bwd):
+def _backward(ctx, d_o, d_lse, backward=attention_bwd, op=True):
     q, k, v, o, lse = ctx.saved_tensors
     if d_o is None:
         d_o = torch.zeros_like(o)
     dq, dk, dv = backward(d_o, q, k, v, o, lse, d_lse, ctx.causal, ctx.scale, ctx.deterministic, ctx.kernel, *ctx.variant)
-    # no gradient for the variant's arguments: the slopes, a rule's source and tensors (a list each)
-    return dq, dk, dv, None, None, None, None, *([None] * len(a) if isinstance(a, list) else None for a in ctx.variant)
+    # no gradient for the variant's arguments (the op's autograd wants a list for each list of tensors)
+    return dq, dk, dv, None, None, None, None, *([None] * len(a) if op and isinstance(a, list) else None for a in ctx.variant)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -157,7 +157,7 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_o, d_lse):
-        return _backward(ctx, d_o, d_lse, backward=backward_impl)
+        return _backward(ctx, d_o, d_lse, backward=backward_impl, op=False)
 
 
 def run_attention(q, k, v, causal: bool, scale: float, kernel: str, deterministic: bool, need_lse: bool = True,
