@@ -31,7 +31,7 @@ def twin(rule):
     return None if rule is None else rule.python
 
 
-def check(q, k, v, causal=False, score_mod=None, mask_mod=None, grad=True, **variant):
+def check(q, k, v, causal=False, score_mod=None, mask_mod=None, grad=True, deterministic=False, **variant):
     gen = torch.Generator(device="cuda").manual_seed(11)
     d_o = torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=gen)
 
@@ -43,7 +43,8 @@ def check(q, k, v, causal=False, score_mod=None, mask_mod=None, grad=True, **var
         out.backward(d_o)
         return (out.detach(), *(t.grad for t in leaves))
 
-    ours = go(lambda q, k, v: flashgen.attention(q, k, v, causal=causal, score_mod=score_mod, mask_mod=mask_mod, **variant))
+    ours = go(lambda q, k, v: flashgen.attention(q, k, v, causal=causal, score_mod=score_mod, mask_mod=mask_mod,
+                                                 deterministic=deterministic, **variant))
     oracle = dict(causal=causal, score_mod=twin(score_mod), mask_mod=twin(mask_mod), **variant)
     exact = go(lambda q, k, v: naive_attention(q, k, v, **oracle)[0])
     low = go(lambda q, k, v: naive_attention(q, k, v, upcast=False, **oracle)[0])
