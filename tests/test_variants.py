@@ -133,14 +133,14 @@ DOC = MaskMod("doc[q_idx] == doc[kv_idx]", lambda b, h, q_idx, kv_idx: q_idx >= 
 BIAS = ScoreMod("score + bias[h * 255 + min(max(q_idx - kv_idx + 127, 0), 254)]", lambda score, b, h, q_idx, kv_idx: score,
                 grad="1.f", tensors={"bias": torch.zeros(4, 255)})
 RULES = (("mask_mod", DOC.source), ("score_mod", BIAS.source))
-# The tables' picks with every variant and both rules on (the most registers) on both targets and
-# every head dim, and with each alone at the common head dims.
+# The tables' picks with every variant and both rules on (the most registers) on both targets (every
+# head dim on sm_90a), and on sm_90a with the flags alone and each alone at the common head dims.
 VARIANT_SPECS = list(dict.fromkeys(
     spec
     for arch in ("sm_90a", "sm_80")
     for head_dim in tuning.TEST_HEAD_DIMS
-    for causal, fields in ((True, ALL + RULES), (False, ALL),
-                           *(((False, (f,)) for f in ALL + RULES) if head_dim in (64, 128) else ()))
+    for causal, fields in ((True, ALL + RULES), *(((False, ALL),) if arch == "sm_90a" else ()),
+                           *(((False, (f,)) for f in ALL + RULES) if head_dim in (64, 128) and arch == "sm_90a" else ()))
     for spec in [tuning.forward_spec(head_dim, "bf16", causal, arch, 4096, variant=fields),
                  *(s for det in (False, True) for s in tuning.backward_specs(head_dim, "bf16", causal, arch, det, variant=fields))]
     if arch == "sm_90a" or head_dim in (64, 128)
