@@ -7,6 +7,7 @@ and ping-pong between the consumer warpgroups. O leaves through shared memory wi
 
 from __future__ import annotations
 
+from .. import variants
 from ..params import Param, Params, scalar, strides, tensormap
 from ..smem import Region, SmemLayout
 from ..spec import SMEM_LIMIT, KernelSpec, SpecError
@@ -40,8 +41,9 @@ def _sm_count(t) -> int:
 class HopperForward(Family):
     kinds = ("fwd_sm90",)
     template = "attention_fwd_sm90.cu.j2"
-    fields = ("head_dim", "block_m", "block_n", "dtype", "causal", "num_stages", "arch", "persistent", "varlen")
-    arguments = ("q", "k", "v", "o", "lse", "scale", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q")
+    fields = ("head_dim", "block_m", "block_n", "dtype", "causal", "num_stages", "arch", "persistent", "varlen",
+              *variants.FIELDS)
+    arguments = ("q", "k", "v", "o", "lse", "scale", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", *variants.ARGUMENTS)
     forward = True
     tune_space = {"block_m": (128, 192), "block_n": (64, 80, 96, 112, 128, 144, 160, 176), "num_stages": (2, 3),
                   "persistent": (False, True)}
