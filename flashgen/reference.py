@@ -58,6 +58,31 @@ def _positions(q, k):
             torch.arange(seqlen_q, device=device)[None, None, :, None], torch.arange(k.shape[2], device=device)[None, None, None, :])
 
 
+def _capped_and_biased(scores, softcap, alibi_slopes):
+    """The score variants on (batch, heads, seqlen_q, seqlen_k) scaled scores: softcap, then ALiBi
+    (slopes (heads,) or (batch, heads)), bottom-right aligned."""
+    seqlen_q, seqlen_k = scores.shape[-2:]
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.float().to(scores.device)
+        slopes = slopes[None, :, None, None] if slopes.dim() == 1 else slopes[:, :, None, None]
+        i = torch.arange(seqlen_q, device=scores.device)[:, None] + (seqlen_k - seqlen_q)
+        j = torch.arange(seqlen_k, device=scores.device)[None, :]
+        scores = scores - slopes * (i - j).abs()
+    return scores
+
+
+def _masked(scores, causal, window_size):
+    """-inf where the causal mask or the window (visible_in_window) hides a key."""
+    seqlen_q, seqlen_k = scores.shape[-2:]
+    if tuple(window_size) != (-1, -1):
+        return scores.masked_fill(~visible_in_window(seqlen_q, seqlen_k, window_size, causal, scores.device), -math.inf)
+    if causal:
+        return scores.masked_fill(~visible(seqlen_q, seqlen_k, scores.device), -math.inf)
+    return scores
+
+
 def naive_attention(q, k, v, causal=False, scale=None, upcast=True, *, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, score_mod=None, mask_mod=None):
     """softmax(q k^T * scale) v with the full score matrix. Returns (o, lse).
@@ -78,22 +103,10 @@ def naive_attention(q, k, v, causal=False, scale=None, upcast=True, *, window_si
     k, v = _expand_kv(q, k, v)
     if upcast:
         q, k, v = q.float(), k.float(), v.float()
-    scores = torch.matmul(q * scale, k.transpose(-1, -2)).float()
-    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
-    if softcap:
-        scores = softcap * torch.tanh(scores / softcap)
-    if alibi_slopes is not None:
-        slopes = alibi_slopes.float().to(scores.device)
-        slopes = slopes[None, :, None, None] if slopes.dim() == 1 else slopes[:, :, None, None]
-        i = torch.arange(seqlen_q, device=scores.device)[:, None] + (seqlen_k - seqlen_q)
-        j = torch.arange(seqlen_k, device=scores.device)[None, :]
-        scores = scores - slopes * (i - j).abs()
+    scores = _capped_and_biased(torch.matmul(q * scale, k.transpose(-1, -2)).float(), softcap, alibi_slopes)
     if score_mod is not None:
         scores = score_mod(scores, *_positions(q, k)).float()
-    if tuple(window_size) != (-1, -1):
-        scores = scores.masked_fill(~visible_in_window(seqlen_q, seqlen_k, window_size, causal, q.device), -math.inf)
-    elif causal:
-        scores = scores.masked_fill(~visible(seqlen_q, seqlen_k, q.device), -math.inf)
+    scores = _masked(scores, causal, window_size)
     if mask_mod is not None:
         scores = scores.masked_fill(~torch.as_tensor(mask_mod(*_positions(q, k)), device=q.device), -math.inf)
     lse = torch.logsumexp(scores, dim=-1)
@@ -248,28 +261,41 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, max_seqlen: int, name
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None,
-                     causal=False, deterministic=False, return_lse=False, upcast=True):
+                     causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                     return_lse=False, upcast=True):
     """flashgen.attention_varlen in plain PyTorch, on any device (the CPU included): naive
-    attention of each sequence alone, bottom-right causal within it. Returns what the kernel
+    attention of each sequence alone, bottom-right causal within it, and so the variants
+    (naive_attention's: the window and ALiBi aligned to each sequence's own end; alibi_slopes
+    (heads,) or (batch, heads), batch the sequence's index). Returns what the kernel
     returns: out (total_q, heads, d) in q's dtype, and with return_lse the (heads, total_q) fp32
     log-sum-exp (-inf, with out 0, for a row that sees no key). It runs the input checks
     attention_varlen runs, and also those of cu_seqlens' values (check_cu_seqlens), which the
     kernel path skips. upcast=False keeps the inputs' dtype for the matmuls (the numerics rule's
     low-precision reference); `deterministic` is accepted for the same signature (this is).
     """
+    from . import variants
     from .varlen import check_shapes
 
     check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kernel=False)
+    variants.make(causal, window_size, softcap, alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device)
     starts_q = check_cu_seqlens(cu_seqlens_q, q.shape[0], max_seqlen_q, "cu_seqlens_q")
     starts_k = check_cu_seqlens(cu_seqlens_k, k.shape[0], max_seqlen_k, "cu_seqlens_k")
     outs, lses = [q.new_zeros((0, *q.shape[1:]))], [torch.zeros(q.shape[1], 0, device=q.device)]
-    for (q0, q1), (k0, k1) in zip(zip(starts_q, starts_q[1:]), zip(starts_k, starts_k[1:])):
+    for seq, ((q0, q1), (k0, k1)) in enumerate(zip(zip(starts_q, starts_q[1:]), zip(starts_k, starts_k[1:]))):
         seq_q, seq_k, seq_v = (t[a:b].transpose(0, 1)[None] for t, a, b in ((q, q0, q1), (k, k0, k1), (v, k0, k1)))
-        o, lse = naive_attention(seq_q, seq_k, seq_v, causal=causal, scale=softmax_scale, upcast=upcast)
+        o, lse = naive_attention(seq_q, seq_k, seq_v, causal=causal, scale=softmax_scale, upcast=upcast,
+                                 window_size=window_size, softcap=softcap, alibi_slopes=_slopes_of(alibi_slopes, seq))
         outs.append(o[0].transpose(0, 1))
         lses.append(lse[0])
     out, lse = torch.cat(outs), torch.cat(lses, dim=1)
     return (out, lse) if return_lse else out
+
+
+def _slopes_of(alibi_slopes, b):
+    """Sequence b's ALiBi slopes, (heads,), from (heads,) or (batch, heads) ones (or None)."""
+    return alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[b]
+
+
 # ---- serving: attention over a KV cache, and the merge of attention states ---------------------
 
 
@@ -305,22 +331,23 @@ def _cache_rows(cache, b, positions, block_table):
     return rows
 
 
-def _attend(q, keys, values, causal, scale, upcast, splits):
+def _attend(q, keys, values, causal, scale, upcast, splits, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
     """One sequence: q (seqlen_q, heads, d) over keys/values (n, heads_kv, d) -> o (seqlen_q, heads,
-    d), lse (heads, seqlen_q). With splits > 1 the keys are cut into that many runs whose states
-    are merged by their log-sum-exp: the split-KV form of the same result."""
+    d), lse (heads, seqlen_q), with the variants (alibi_slopes (heads,)). With splits > 1 the keys
+    are cut into that many runs whose states are merged by their log-sum-exp: the split-KV form of
+    the same result."""
     q, keys, values = (t.transpose(0, 1)[None] for t in (q, keys, values))  # (1, heads, rows, d)
     n = keys.shape[2]
     if splits <= 1:
-        o, lse = naive_attention(q, keys, values, causal=causal, scale=scale, upcast=upcast)
+        o, lse = naive_attention(q, keys, values, causal=causal, scale=scale, upcast=upcast, window_size=window_size,
+                                 softcap=softcap, alibi_slopes=alibi_slopes)
         return o[0].transpose(0, 1), lse[0]
     dtype = q.dtype
     k, v = _expand_kv(q, keys, values)
     if upcast:
         q, k, v = q.float(), k.float(), v.float()
-    scores = torch.matmul(q * scale, k.transpose(-1, -2)).float()
-    if causal:
-        scores = scores.masked_fill(~visible(q.shape[2], n, q.device), -math.inf)
+    scores = _capped_and_biased(torch.matmul(q * scale, k.transpose(-1, -2)).float(), softcap, alibi_slopes)
+    scores = _masked(scores, causal, window_size)
     o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:-1], -math.inf, device=q.device)
     for cols in torch.arange(n, device=q.device).tensor_split(splits):  # runs of keys (some may be empty)
@@ -333,7 +360,8 @@ def _attend(q, keys, values, causal, scale, upcast, splits):
 
 
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, block_table=None,
-                           softmax_scale=None, causal=False, num_splits=0, return_softmax_lse=False, upcast=True):
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           num_splits=0, return_softmax_lse=False, upcast=True):
     """flashgen.attention_with_kvcache in plain PyTorch, on any device (the tests run it on the
     CPU). Like the kernel it appends k and v into k_cache and v_cache in place (pass copies to keep
     the originals), with the kernel's rules for bad input: a length is clamped to [0, capacity], a
@@ -343,9 +371,14 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
 
     num_splits > 1 computes each sequence's attention over that many runs of keys merged by
     merge_attention_states (the split-KV form; the same result). upcast=False computes in the
-    inputs' dtype (the numerics rule's low-precision reference), like naive_attention.
+    inputs' dtype (the numerics rule's low-precision reference), like naive_attention. The
+    variants (window_size, softcap, alibi_slopes (heads,) or (batch, heads)) are naive_attention's,
+    aligned to each sequence's own length (its cache plus the new tokens), as the kernel does.
     """
+    from . import variants
+
     batch, seqlen_q, heads, head_dim = q.shape
+    variants.make(causal, window_size, softcap, alibi_slopes, batch, heads, q.device)
     scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
@@ -362,7 +395,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         keys, values = _cache_rows(k_cache, b, positions, block_table), _cache_rows(v_cache, b, positions, block_table)
         if k is not None:
             keys, values = torch.cat([keys, k[b].to(keys.device)]), torch.cat([values, v[b].to(values.device)])
-        o, lse = _attend(q[b], keys.to(q.device), values.to(q.device), causal, scale, upcast, num_splits)
+        o, lse = _attend(q[b], keys.to(q.device), values.to(q.device), causal, scale, upcast, num_splits, window_size, softcap,
+                         _slopes_of(alibi_slopes, b))
         outs.append(o)
         lses.append(lse)
     if k is not None:  # the appends, after every read

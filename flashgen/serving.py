@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import plans
+from . import plans, variants
 from .api import softmax_scale as _scale
 from .families.decode import MAX_SPLITS, PAGE_SIZES, fast_divisor
 from .plans import DTYPES, MAX_GRID_YZ
@@ -95,13 +95,22 @@ def _well_formed(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_spli
     return block_table is not None, capacity, seqlen_new
 
 
-def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits) -> tuple[bool, int, int]:
+def _variant(q, causal, window_size, softcap, alibi_slopes) -> variants.Variant:
+    """The call's variants, checked (flashgen.variants; slopes per query head, or per sequence and
+    query head)."""
+    if alibi_slopes is None and not softcap and window_size == (-1, -1):  # one cheap test for plain calls
+        return variants.PLAIN
+    return variants.make(causal, window_size, softcap, alibi_slopes, q.shape[0], q.shape[2], q.device)
+
+
+def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, causal=False,
+                         window_size=(-1, -1), softcap=0.0, alibi_slopes=None) -> tuple[bool, int, int, variants.Variant]:
     """Raise a clear error for anything the decode kernels cannot take; returns (paged, capacity,
-    seqlen_new): whether the cache is paged, the keys one sequence's cache holds at most, and the
-    number of tokens appended."""
+    seqlen_new, variant): whether the cache is paged, the keys one sequence's cache holds at most,
+    the number of tokens appended, and the call's variants."""
     found = _well_formed(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits)
     if found is not None:
-        return found
+        return (*found, _variant(q, causal, window_size, softcap, alibi_slopes))
     _tensor("q", q, 4, "(batch, seqlen_q, heads, head_dim), like flash_attn_with_kvcache")
     paged = block_table is not None
     cache_layout = "(num_blocks, page_size, heads_kv, head_dim) with a block_table" if paged else "(batch, seqlen_cache, heads_kv, head_dim)"
@@ -188,6 +197,7 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
             )
     if batch > MAX_GRID_YZ or kv_heads > MAX_GRID_YZ:
         raise ValueError(f"batch={batch}, heads_kv={kv_heads}: at most {MAX_GRID_YZ} of each (the grid's limits)")
+    variant = _variant(q, causal, window_size, softcap, alibi_slopes)
     tensors = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("block_table", block_table)]
     if isinstance(cache_seqlens, torch.Tensor):
         tensors.append(("cache_seqlens", cache_seqlens))
@@ -197,12 +207,13 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
     if q.device.type != "cuda":
         why = "" if torch.cuda.is_available() else " (and PyTorch sees no CUDA GPU on this machine)"
         raise ValueError(f"flashgen.attention_with_kvcache runs on NVIDIA GPUs: the tensors are on {q.device}{why}")
-    return paged, capacity, seqlen_new
+    return paged, capacity, seqlen_new, variant
 
 
 def attention_with_kvcache(
     q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, block_table=None, softmax_scale=None,
-    causal: bool = False, num_splits: int = 0, return_softmax_lse: bool = False,
+    causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None,
+    num_splits: int = 0, return_softmax_lse: bool = False,
 ):
     """Attention of q over a KV cache, appending new keys and values first: FlashAttention's
     `flash_attn_with_kvcache` (same names, layouts and semantics), for decoding and chunked prefill.
@@ -219,6 +230,12 @@ def attention_with_kvcache(
     updated: the caller adds seqlen_new, as with FlashAttention).
     causal: aligned bottom-right to each sequence's length n after the append: query i sees key j
     iff j <= n - seqlen_q + i (seqlen_q > 1 serves chunked prefill and speculative decoding).
+    Variants, flash_attn_with_kvcache's, aligned the same way (query i at key position
+    i' = n - seqlen_q + i): window_size=(left, right) keeps keys i' - left <= j <= i' + right (-1 =
+    no bound on that side; causal sets right to 0), and splits cover only the key tiles a block's
+    windows see; softcap > 0 makes the scaled scores softcap * tanh(s / softcap); alibi_slopes, fp32
+    of shape (heads,) or (batch, heads), adds -slope * |i' - j|. Their values are kernel arguments:
+    a captured graph replays with the values it was captured with.
     softmax_scale defaults to 1/sqrt(head_dim). num_splits: how many blocks split each sequence's
     keys (split-KV); 0 chooses from the shapes and the GPU, never from the lengths, so one captured
     CUDA graph serves every length. return_softmax_lse: also return lse (batch, heads, seqlen_q)
@@ -233,7 +250,8 @@ def attention_with_kvcache(
 
     Returns out (batch, seqlen_q, heads, head_dim), and lse with return_softmax_lse.
     """
-    paged, capacity, seqlen_new = check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits)
+    paged, capacity, seqlen_new, variant = check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                                                                 num_splits, causal, window_size, softcap, alibi_slopes)
     batch, seqlen_q, heads, head_dim = q.shape
     scale = _scale(softmax_scale, head_dim)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -241,18 +259,21 @@ def attention_with_kvcache(
     if o.numel() == 0:
         return (o, lse) if return_softmax_lse else o
     device = q.get_device()
+    keys = capacity + seqlen_new
+    if variant.window and min(variant.window_left, variant.window_right) >= 0:
+        keys = min(keys, seqlen_q + variant.window_left + variant.window_right)  # the most one block's windows see
     plan, splits = plans.decode(device, head_dim, q.dtype, paged, seqlen_q * (heads // k_cache.shape[2]), batch,
-                                k_cache.shape[2], capacity + seqlen_new, num_splits)
+                                k_cache.shape[2], keys, num_splits, tuple(variant.fields))
     plan.run(device, launch_values(q, k_cache, v_cache, k, v, cache_seqlens, block_table, capacity, seqlen_new, o, lse,
-                                   splits, causal, scale))
+                                   splits, causal, scale, variant, alibi_slopes))
     return (o, lse) if return_softmax_lse else o
 
 
 def launch_values(q, k_cache, v_cache, k, v, cache_seqlens, block_table, capacity, seqlen_new, o, lse, splits, causal,
-                  scale) -> dict:
+                  scale, variant: variants.Variant = variants.PLAIN, alibi_slopes=None) -> dict:
     """What the decode plan's kernels take (families.decode.DecodeAttention.arguments): the
-    tensors (copied where their rows are not 16-byte aligned; never the caches), and the sizes read
-    once here."""
+    tensors (copied where their rows are not 16-byte aligned; never the caches), the sizes read
+    once here, and the variants' values."""
     batch, seqlen_q, heads, _ = q.shape
     if k is not None:
         k, v = _aligned(k), _aligned(v)
@@ -266,6 +287,8 @@ def launch_values(q, k_cache, v_cache, k, v, cache_seqlens, block_table, capacit
         "batch": batch, "seqlen_q": seqlen_q, "heads": heads, "kv_heads": k_cache.shape[2], "seqlen_new": seqlen_new,
         "splits": splits, "causal": bool(causal), "scale": scale,
     }
+    if variant != variants.PLAIN:
+        values.update(variant.values(), alibi_slopes=alibi_slopes)
     if block_table is not None:
         page_size = k_cache.shape[1]
         if block_table.stride(-1) != 1:

@@ -177,7 +177,7 @@ def tuned_spec(kind: str | None, head_dim: int, dtype: str, causal: bool, arch: 
     (A decode kind: its spec for one query row; causal does not change a decode or merge kernel.)
     `variant` names the variant fields to set."""
     if kind in DECODE_KINDS:
-        return decode_spec(head_dim, dtype, arch, kind == "decode_paged", rows=1)
+        return decode_spec(head_dim, dtype, arch, kind == "decode_paged", rows=1, variant=variant)
     if kind in MERGE_KINDS:
         return merge_spec(kind, head_dim, dtype, arch)
     if kind is None:
@@ -253,15 +253,17 @@ def decode_block_m(rows: int) -> int:
     return DECODE_BLOCK_M[0] if rows <= DECODE_BLOCK_M[0] else DECODE_BLOCK_M[1]
 
 
-def decode_spec(head_dim: int, dtype: str, arch: str, paged: bool, rows: int) -> KernelSpec:
+def decode_spec(head_dim: int, dtype: str, arch: str, paged: bool, rows: int, variant: tuple[str, ...] = ()) -> KernelSpec:
     """The decode kernel for a problem: the table's first tile shape (block_n, num_warps,
-    num_stages) that is a valid spec with the block_m the rows need."""
+    num_stages) that is a valid spec with the block_m the rows need; `variant` names the variant
+    fields to set."""
     kind = "decode_paged" if paged else "decode"
     check_head_dim(head_dim)
     error = None
-    for tiles in candidates(kind, head_dim, dtype, False, arch, "*"):
+    for tiles in candidates(kind, head_dim, dtype, False, arch, "*", variant=bool(variant)):
         try:
-            return KernelSpec(head_dim=head_dim, dtype=dtype, arch=arch, kind=kind, **{**tiles, "block_m": decode_block_m(rows)})
+            return KernelSpec(head_dim=head_dim, dtype=dtype, arch=arch, kind=kind, **{**tiles, "block_m": decode_block_m(rows)},
+                              **dict.fromkeys(variant, True))
         except SpecError as rejected:
             error = rejected
     raise SpecError(f"no {kind} tile shape fits head_dim={head_dim} on {arch}: {error or 'the tuning table has no entry'}")

@@ -14,7 +14,8 @@ import math
 
 import torch
 
-from . import plans
+from . import plans, variants
+from .api import _variant_values
 from .plans import DTYPES, MAX_GRID_YZ
 from .spec import HEAD_DIM_RULE
 
@@ -32,9 +33,11 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, causal: bool, scale: float, kernel: str,
-                 need_lse: bool = True):
+                 need_lse: bool = True, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                 alibi_slopes=None):
     """(o, lse) by the varlen forward plan: o like q, lse (heads, total_q) fp32 or None when not
-    needed. `kernel` is the canonical text of the spec to run, or "" for the tables' choice."""
+    needed. `kernel` is the canonical text of the spec to run, or "" for the tables' choice; the
+    variant arguments are flashgen.variants' (already checked)."""
     total_q, heads, head_dim = q.shape
     o = torch.empty_like(q)
     lse = torch.empty(heads, total_q, dtype=torch.float32, device=q.device) if need_lse else None
@@ -44,27 +47,30 @@ def forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, causal:
         return o.zero_(), None if lse is None else lse.fill_(-math.inf)
     device = q.get_device()
     max_seqlen_q = min(max_seqlen_q, total_q)  # no sequence is longer than the packed tensor
-    plan = plans.forward_varlen(device, head_dim, q.dtype, causal, max_seqlen_q, kernel)
+    variant, values = _variant_values(window_left, window_right, softcap, alibi_slopes)
+    plan = plans.forward_varlen(device, head_dim, q.dtype, causal, max_seqlen_q, kernel, variant)
     plan.run(device, {
         "q": _aligned(q), "k": _aligned(k), "v": _aligned(v), "o": o, "lse": lse, "scale": scale,
-        "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
+        "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q, **values,
     })
     return o, lse
 
 
 def backward_impl(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
-                  causal: bool, scale: float, deterministic: bool, kernel: str = ""):
+                  causal: bool, scale: float, deterministic: bool, kernel: str = "", window_left: int = -1,
+                  window_right: int = -1, softcap: float = 0.0, alibi_slopes=None):
     """(dq, dk, dv) from the forward's inputs, output and lse; P is recomputed."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
     if q.shape[0] == 0 or k.shape[0] == 0 or q.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     device = q.get_device()
-    plan = plans.backward_varlen(device, q.shape[2], q.dtype, causal, deterministic, kernel)
+    variant, variant_values = _variant_values(window_left, window_right, softcap, alibi_slopes)
+    plan = plans.backward_varlen(device, q.shape[2], q.dtype, causal, deterministic, kernel, variant)
     values = {name: _aligned(t) for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("d_o", d_o))}
     values.update(
         lse=lse.contiguous(), d_lse=None if d_lse is None else d_lse.contiguous(), dq=dq, dk=dk, dv=dv, scale=scale,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=min(max_seqlen_q, q.shape[0]), max_seqlen_k=min(max_seqlen_k, k.shape[0]),
+        max_seqlen_q=min(max_seqlen_q, q.shape[0]), max_seqlen_k=min(max_seqlen_k, k.shape[0]), **variant_values,
     )
     plan.run(device, values)
     return dq, dk, dv
@@ -74,14 +80,16 @@ def backward_impl(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, max_s
 def attention_varlen_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float, kernel: str, deterministic: bool,
+    window_left: int = -1, window_right: int = -1, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse). max_seqlen_k and `deterministic` are for the backward."""
-    return forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale, kernel)
+    return forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale, kernel, True,
+                        window_left, window_right, softcap, alibi_slopes)
 
 
 @attention_varlen_fwd.register_fake
 def _attention_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, kernel,
-                               deterministic):
+                               deterministic, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
@@ -89,25 +97,27 @@ def _attention_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
 def attention_varlen_bwd(
     d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
     d_lse: torch.Tensor | None, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
-    max_seqlen_k: int, causal: bool, scale: float, deterministic: bool, kernel: str,
+    max_seqlen_k: int, causal: bool, scale: float, deterministic: bool, kernel: str, window_left: int = -1,
+    window_right: int = -1, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) from the forward's inputs, output and lse; P is recomputed."""
     return backward_impl(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                         scale, deterministic, kernel)
+                         scale, deterministic, kernel, window_left, window_right, softcap, alibi_slopes)
 
 
 @attention_varlen_bwd.register_fake
 def _attention_varlen_bwd_fake(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               causal, scale, deterministic, kernel):
+                               causal, scale, deterministic, kernel, window_left=-1, window_right=-1, softcap=0.0,
+                               alibi_slopes=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, kernel, deterministic = inputs
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, kernel, deterministic, *variant = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
     ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
-    ctx.causal, ctx.scale, ctx.kernel, ctx.deterministic = causal, scale, kernel, deterministic
+    ctx.causal, ctx.scale, ctx.kernel, ctx.deterministic, ctx.variant = causal, scale, kernel, deterministic, variant
     ctx.set_materialize_grads(False)  # an unused lse then costs nothing in the backward
 
 
@@ -116,8 +126,8 @@ def _backward(ctx, d_o, d_lse, backward=attention_varlen_bwd):
     if d_o is None:
         d_o = torch.zeros_like(o)
     dq, dk, dv = backward(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k,
-                          ctx.causal, ctx.scale, ctx.deterministic, ctx.kernel)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+                          ctx.causal, ctx.scale, ctx.deterministic, ctx.kernel, *ctx.variant)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, *(None for _ in ctx.variant)  # no gradient for the slopes
 
 
 attention_varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -128,8 +138,8 @@ class _EagerVarlen(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, _, causal, scale, kernel, _ = inputs
-        output = forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale, kernel)
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, _, causal, scale, kernel, _, *variant = inputs
+        output = forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale, kernel, True, *variant)
         _setup_context(ctx, inputs, output)
         return output
 
@@ -139,15 +149,16 @@ class _EagerVarlen(torch.autograd.Function):
 
 
 def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal: bool, scale: float, kernel: str,
-        deterministic: bool, need_lse: bool = True):
+        deterministic: bool, need_lse: bool = True, variant: tuple = ()):
     """(o, lse): through the custom op when torch.compile traces the call; in eager mode through the
-    same implementation directly (with autograd only when a gradient is needed)."""
-    inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, kernel, deterministic)
+    same implementation directly (with autograd only when a gradient is needed). `variant` is () or
+    (window_left, window_right, softcap, alibi_slopes), checked."""
+    inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, kernel, deterministic, *variant)
     if torch.compiler.is_compiling():
         return attention_varlen_fwd(*inputs)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _EagerVarlen.apply(*inputs)
-    return forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale, kernel, need_lse)
+    return forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale, kernel, need_lse, *variant)
 
 
 # ---- input checks -------------------------------------------------------------------------------
@@ -247,11 +258,22 @@ def check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
             raise ValueError(f"cu_seqlens_{t[0]} holds no sequence (shape (1,)) but {t} has {total} rows")
 
 
-def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
-    """Raise a clear error for anything the kernels cannot take (nothing that needs a sync)."""
+def check_variant(q, cu_seqlens_q, causal, window_size, softcap, alibi_slopes) -> variants.Variant:
+    """The call's variants, checked (flashgen.variants): slopes per query head, or per sequence
+    (cu_seqlens_q's batch) and query head."""
+    if alibi_slopes is None and not softcap and window_size == (-1, -1):  # one cheap test for plain calls
+        return variants.PLAIN
+    return variants.make(causal, window_size, softcap, alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device)
+
+
+def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, window_size=(-1, -1),
+                 softcap=0.0, alibi_slopes=None) -> variants.Variant:
+    """Raise a clear error for anything the kernels cannot take (nothing that needs a sync);
+    returns the call's variants."""
     if _well_formed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-        return
+        return check_variant(q, cu_seqlens_q, causal, window_size, softcap, alibi_slopes)
     check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    variant = check_variant(q, cu_seqlens_q, causal, window_size, softcap, alibi_slopes)
     tensors = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
     devices = {t.device for t in tensors.values()}
     if len(devices) > 1:
@@ -260,6 +282,7 @@ def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     if q.device.type != "cuda":
         why = "" if torch.cuda.is_available() else " (and PyTorch sees no CUDA GPU on this machine)"
         raise ValueError(f"flashgen.attention_varlen runs on NVIDIA GPUs: its inputs are on {q.device}{why}")
+    return variant
 
 
 def _scale(scale, head_dim: int) -> float:
@@ -273,7 +296,8 @@ def _scale(scale, head_dim: int) -> float:
 
 def attention_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None, causal: bool = False,
-    deterministic: bool = False, return_lse: bool = False,
+    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
+    return_lse: bool = False,
 ):
     """Exact attention over a batch of sequences of different lengths, packed without padding;
     FlashAttention's flash_attn_varlen_func (names, layouts, semantics). Differentiable.
@@ -290,6 +314,13 @@ def attention_varlen(
     autocast dtype first. Returns out (total_q, heads, d), and with return_lse=True also the
     (heads, total_q) fp32 log-sum-exp of the scaled scores (natural log), FlashAttention's varlen
     layout. deterministic=True gives bitwise-reproducible gradients, as in attention().
+    Variants, flash_attn_varlen_func's, aligned bottom-right in each sequence like causal (query i
+    of sequence b at key position i' = i + len_k(b) - len_q(b)): window_size=(left, right) keeps
+    keys i' - left <= j <= i' + right (-1 = no bound on that side; causal sets right to 0), and key
+    tiles outside the window are never visited; softcap > 0 makes the scaled scores
+    softcap * tanh(s / softcap); alibi_slopes, fp32 of shape (heads,) or (batch, heads) (batch =
+    the sequence's index), adds -slope * |i' - j|. All are differentiable (no gradient for the
+    slopes).
 
     Checked on every call, without a sync: types, shapes (3-D packed tensors, (batch + 1,)
     offsets), dtypes (int32 offsets), GQA head counts, head dims, devices, max_seqlen values.
@@ -303,10 +334,12 @@ def attention_varlen(
     if isinstance(q, torch.Tensor) and q.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
         dtype = torch.get_autocast_dtype("cuda")  # under autocast, like SDPA: fp32 in, autocast dtype
         q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
-    check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    chosen = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_size, softcap,
+                          alibi_slopes)
+    variant = () if chosen == variants.PLAIN else (chosen.window_left, chosen.window_right, chosen.softcap, alibi_slopes)
     o, lse = run(
         q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k, bool(causal),
-        _scale(softmax_scale, q.shape[-1]), "", bool(deterministic), need_lse=bool(return_lse),
+        _scale(softmax_scale, q.shape[-1]), "", bool(deterministic), need_lse=bool(return_lse), variant=variant,
     )
     return (o, lse) if return_lse else o
 

@@ -236,6 +236,38 @@ def test_reference_matches_attention_written_out(case, splits):
         assert changed.sum() <= batch * new
 
 
+VARIANTS = [dict(window_size=(4, 0)), dict(window_size=(2, 3)), dict(window_size=(-1, 1)), dict(softcap=1.5),
+            dict(alibi_slopes="heads"), dict(alibi_slopes="batch"), dict(window_size=(6, 2), softcap=2.0, alibi_slopes="batch")]
+
+
+@pytest.mark.parametrize("splits", [0, 3])
+@pytest.mark.parametrize("variant", VARIANTS, ids=str)
+@pytest.mark.parametrize("case", CASES[1:4], ids=str)
+def test_reference_variants_are_naive_attention_of_each_sequence(case, variant, splits):
+    """Window and ALiBi aligned to each sequence's cache plus its new tokens; split or not, the same."""
+    batch, seqlen_q, heads, kv_heads, d, capacity, new, page_size, lengths, causal = case
+    q, (k_cache, v_cache), k, v, table = random_cache(batch, seqlen_q, heads, kv_heads, d, capacity, new, page_size, seed=len(lengths))
+    slopes = {"heads": torch.rand(heads), "batch": torch.rand(batch, heads)}
+    if "alibi_slopes" in variant:
+        variant = {**variant, "alibi_slopes": slopes[variant["alibi_slopes"]]}
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    out, lse = reference.attention_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor(lengths, dtype=torch.int32), block_table=table, softmax_scale=0.3,
+        causal=causal, num_splits=splits, return_softmax_lse=True, **variant,
+    )
+    for b, n in enumerate(lengths):
+        keys, values = sequence_rows(before_k, b, n, table), sequence_rows(before_v, b, n, table)
+        if new:
+            keys, values = torch.cat([keys, k[b]]), torch.cat([values, v[b]])
+        mine = dict(variant)
+        if "alibi_slopes" in mine and mine["alibi_slopes"].dim() == 2:
+            mine["alibi_slopes"] = mine["alibi_slopes"][b]
+        o, l = reference.naive_attention(*(t.transpose(0, 1)[None] for t in (q[b], keys, values)), causal=causal, scale=0.3, **mine)
+        torch.testing.assert_close(out[b], o[0].transpose(0, 1), atol=1e-5, rtol=0)
+        assert torch.equal(lse[b].isinf(), l[0].isinf())
+        torch.testing.assert_close(lse[b][l[0].isfinite()], l[0][l[0].isfinite()], atol=1e-5, rtol=0)
+
+
 def test_reference_cache_seqlens_as_int_and_none():
     q, (k_cache, v_cache), _, _, _ = random_cache(2, 1, 4, 2, 16, 30, 0)
     whole = reference.attention_with_kvcache(q, k_cache, v_cache)
@@ -367,6 +399,43 @@ def test_forced_splits_and_contiguous_cache_without_append(driver, stub_kernels,
     assert got["capacity"] == 1000 and got["k_cache_batch"] == 1000 * 64 and driver.launches[0]["grid"] == (7, 1, 3)
 
 
+def test_variant_decode_plan_packs_the_values_per_row(driver, stub_kernels, cpu_device):
+    from flashgen import variants
+
+    plan, splits = plans.decode(-1, 128, BF16, True, 4, 2, 2, 640 + 1, 0, ("window", "softcap", "alibi"))
+    spec = plan.kernels[0].spec
+    assert spec.kind == "decode_paged" and spec.window and spec.softcap and spec.alibi
+    slopes = torch.ones(2, 8)
+    chosen = variants.Variant(100, 0, 7.0, True)
+    values = decode_values(splits=splits)
+    values.update(chosen.values(), alibi_slopes=slopes)
+    plan.run(-1, values)
+    got = unpack(spec, driver.launches[0]["params"])
+    assert (got["window_left"], got["window_right"]) == (100, 0) and got["softcap_scale"] == pytest.approx(0.125 / 7.0)
+    assert got["scale_log2"] == pytest.approx(7.0 * 1.4426950408889634) and got["alibi_scale"] == pytest.approx(1 / 7.0)
+    assert got["alibi_slopes"] == slopes.data_ptr() and got["alibi_batch_stride"] == 8
+    assert plans.decode(-1, 128, BF16, True, 4, 2, 2, 641)[0].kernels[0].spec.window is False  # the plain kernel apart
+
+
+def test_a_window_splits_only_the_keys_it_sees(driver, stub_kernels, cpu_device, monkeypatch):
+    """attention_with_kvcache sizes the split count by the keys one block's windows can see (the
+    shapes and the window, never the lengths): a 256-key window over a 64k cache splits like a
+    short cache."""
+    seen = []
+    real = plans.decode
+    monkeypatch.setattr(plans, "decode", lambda *args: seen.append(args) or real(*args))
+    monkeypatch.setattr(serving, "check_kvcache_inputs", lambda *args: (True, 65536, 1, serving._variant(args[0], *args[8:])))
+    q, k_cache, v_cache, k, v = t(1, 1, 8, 128), t(4096, 16, 2, 128), t(4096, 16, 2, 128), t(1, 1, 2, 128), t(1, 1, 2, 128)
+    table = torch.zeros(1, 4096, dtype=torch.int32)
+    for window in ((-1, -1), (256, 0), (256, -1)):
+        flashgen.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=torch.zeros(1, dtype=torch.int32), block_table=table,
+                                        causal=False, window_size=window)
+    assert [args[7] for args in seen] == [65537, 1 + 256 + 0, 65537]  # the last: unbounded on the right
+    assert seen[1][9] == ("window",) and seen[0][9] == ()
+    whole, windowed = (real(*args)[1] for args in seen[:2])
+    assert windowed < whole
+
+
 def test_merge_reads_both_states_as_one_tensor(driver, stub_kernels, cpu_device):
     o_a, o_b = torch.zeros(2, 7, 3, 64), torch.zeros(2, 7, 3, 64)
     lse_a, lse_b = torch.zeros(2, 3, 7).transpose(1, 2), torch.zeros(2, 3, 7).transpose(1, 2)  # FlashAttention's lse, transposed
@@ -400,10 +469,13 @@ def inputs(paged=False, **changes):
     return args
 
 
+VARIANT_ARGUMENTS = ("window_size", "softcap", "alibi_slopes")
+
+
 def kvcache_error(error, match, paged=False, **changes):
     args = inputs(paged, **changes)
     keywords = {name: args.pop(name) for name in ("cache_seqlens", "block_table")}
-    keywords.update({name: args.pop(name) for name in ("softmax_scale", "num_splits") if name in args})
+    keywords.update({name: args.pop(name) for name in ("softmax_scale", "num_splits", "causal", *VARIANT_ARGUMENTS) if name in args})
     with pytest.raises(error, match=match):
         flashgen.attention_with_kvcache(*args.values(), **keywords)
 
@@ -470,6 +542,37 @@ def test_paged_cache_errors(error, match, changes):
 def test_every_page_size_the_kernels_take_passes_the_checks():
     for page_size in PAGE_SIZES:
         kvcache_error(ValueError, "runs on NVIDIA GPUs", paged=True, k_cache=t(30, page_size, 2, 64), v_cache=t(30, page_size, 2, 64))
+
+
+VARIANT_ERRORS = [
+    (ValueError, r"window_size=\(3,\): must be \(left, right\)", dict(window_size=(3,))),
+    (ValueError, r"window_size=\(0, -2\)", dict(window_size=(0, -2))),
+    (ValueError, r"window_size=\(1.5, 0\)", dict(window_size=(1.5, 0))),
+    (ValueError, "softcap=-2.0: must be a finite number >= 0", dict(softcap=-2.0)),
+    (ValueError, "softcap=inf", dict(softcap=float("inf"))),
+    (ValueError, r"alibi_slopes has shape \(2,\); it must be \(8,\) or \(2, 8\)", dict(alibi_slopes=torch.ones(2))),
+    (ValueError, r"alibi_slopes has shape \(8, 2\); it must be \(8,\) or \(2, 8\)", dict(alibi_slopes=torch.ones(8, 2))),
+    (TypeError, "alibi_slopes has dtype torch.bfloat16; it must be torch.float32", dict(alibi_slopes=torch.ones(8, dtype=BF16))),
+    (ValueError, "alibi_slopes' last dimension must be contiguous", dict(alibi_slopes=torch.ones(2, 16)[:, ::2])),
+    (ValueError, "alibi_slopes is on meta, the inputs on cpu", dict(alibi_slopes=torch.ones(8, device="meta"))),
+]
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("error, match, changes", VARIANT_ERRORS, ids=[m[:40] for _, m, _ in VARIANT_ERRORS])
+def test_variant_errors(error, match, changes, paged):
+    """Named before the device check (CPU tensors), in attention_with_kvcache and its reference."""
+    kvcache_error(error, match, paged, **changes)
+    args = inputs(paged)
+    keywords = {name: args.pop(name) for name in ("cache_seqlens", "block_table")}
+    with pytest.raises(error, match=match):
+        reference.attention_with_kvcache(*args.values(), **keywords, **changes)
+
+
+def test_good_variants_reach_the_device_check():
+    for changes in (dict(window_size=(100, 0), causal=True), dict(softcap=30.0), dict(alibi_slopes=torch.ones(2, 8)),
+                    dict(window_size=(7, 3), softcap=1.0, alibi_slopes=torch.ones(8))):
+        kvcache_error(ValueError, "runs on NVIDIA GPUs", True, **changes)
 
 
 MERGE_ERRORS = [

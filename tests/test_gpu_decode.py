@@ -243,6 +243,111 @@ def test_decode_step_replays_from_a_cuda_graph(paged, num_splits):
         problem.cache_seqlens += torch.tensor([1, 1 + step, 0], device="cuda", dtype=torch.int32)
 
 
+# ---- the variants (window_size, softcap, alibi_slopes), aligned to each sequence's own length -------
+
+
+def slopes(batch, heads, per_sequence=False):
+    base = torch.tensor([2 ** (-8 * (i + 1) / heads) for i in range(heads)], device="cuda")
+    return torch.stack([base * (1 + 0.5 * b) for b in range(batch)]) if per_sequence else base
+
+
+def with_slopes(variant, batch, heads):
+    """The variant's values, its slopes made for the problem ("heads" or "batch")."""
+    if "alibi_slopes" in variant:
+        variant = {**variant, "alibi_slopes": slopes(batch, heads, variant["alibi_slopes"] == "batch")}
+    return variant
+
+
+VARIANTS = {
+    "window": dict(window_size=(200, 0)),
+    "window_both": dict(window_size=(300, 2)),
+    "window_tiny": dict(window_size=(0, 0)),
+    "softcap": dict(softcap=4.0),
+    "alibi": dict(alibi_slopes="heads"),
+    "alibi_batch": dict(alibi_slopes="batch"),
+    "everything": dict(window_size=(1000, 0), softcap=10.0, alibi_slopes="batch"),
+}
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlen_q", [1, 5])
+@pytest.mark.parametrize("name", VARIANTS)
+def test_variants(name, seqlen_q, causal, paged):
+    """The window and ALiBi relative to each sequence's cache plus its new tokens (bottom-right),
+    GQA 4:1 (a row's query head, and so its slope, is its own), one and several query tokens."""
+    problem = Problem(4, seqlen_q, 8, 2, 128, [0, 30, 777, 3000], new=seqlen_q, page_size=16 if paged else None, capacity=3100,
+                      seed=seqlen_q + 7 * paged)
+    problem.run(causal=causal, **with_slopes(VARIANTS[name], 4, 8))
+
+
+@pytest.mark.parametrize("heads, kv_heads, seqlen_q", [(32, 8, 3), (32, 1, 3), (6, 6, 2)], ids=["gqa-3", "mqa-3", "mha"])
+@pytest.mark.parametrize("head_dim", [64, 80, 256])
+def test_variants_with_grouped_rows(head_dim, heads, kv_heads, seqlen_q):
+    """Packed rows of several query heads and tokens (12, 96 and 2 a KV head): every row's query
+    token and head, for the window, the cap and the slopes (per sequence and head)."""
+    problem = Problem(2, seqlen_q, heads, kv_heads, head_dim, [300, 1500], new=seqlen_q, page_size=64, seed=heads * seqlen_q)
+    problem.run(causal=True, **with_slopes(VARIANTS["everything"], 2, heads))
+
+
+@pytest.mark.parametrize("num_splits", [0, 1, 3, 64])
+@pytest.mark.parametrize("window", [(256, 0), (1000, 40), (0, 0)], ids=str)
+def test_split_windows_see_only_their_tiles(window, num_splits):
+    """The splits cut only the key tiles a block's window sees (past them: empty partials); the
+    new keys are appended whatever the window, also those no query sees (5 new, 1 query)."""
+    problem = Problem(3, 1, 8, 2, 128, [100, 3000, 6000], new=5, page_size=16, capacity=6100, seed=num_splits)
+    problem.run(window_size=window, softcap=8.0, num_splits=num_splits)
+    problem.run(window_size=window, causal=True, num_splits=num_splits)
+
+
+def test_a_windowed_decode_step_replays_from_a_cuda_graph():
+    """The window, cap and slopes are kernel arguments: one captured step replays as the cache grows,
+    the window following each sequence's end."""
+    problem = Problem(3, 1, 8, 2, 128, [5, 500, 1000], new=1, page_size=16, capacity=1100, seed=23)
+    args, keywords = problem.arguments()
+    variant = dict(window_size=(300, 0), softcap=6.0, alibi_slopes=slopes(3, 8, per_sequence=True))
+    options = dict(causal=True, return_softmax_lse=True, **variant)
+    assert plans.decode(0, 128, torch.bfloat16, True, 4, 3, 2, 1 + 300, 0, ("window", "softcap", "alibi"))[1] > 1  # split
+    warm = [t.clone() if t is not None else None for t in args]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        flashgen.attention_with_kvcache(*warm, **keywords, **options)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = flashgen.attention_with_kvcache(*args, **keywords, **options)
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    for step in range(4):
+        for t in (problem.q, problem.k, problem.v):
+            t.copy_(torch.randn(t.shape, device="cuda", dtype=t.dtype, generator=gen))
+        ref, ref_lse, ref_k, ref_v = problem.oracle(causal=True, **variant)
+        ref_lp = problem.oracle(upcast=False, causal=True, **variant)[0]
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out, lse, ref, ref_lse, ref_lp)
+        assert torch.equal(problem.k_cache.cpu(), ref_k) and torch.equal(problem.v_cache.cpu(), ref_v), f"step {step}"
+        problem.cache_seqlens += torch.tensor([1, 1 + 100 * step, 0], device="cuda", dtype=torch.int32)
+
+
+def test_variant_errors_on_the_gpu():
+    from test_decode import VARIANT_ERRORS, inputs
+
+    def cuda(value):  # the same shape, strides and dtype on the GPU (a strided view stays one)
+        if not isinstance(value, torch.Tensor):
+            return value
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="cuda").fill_(1)
+
+    for error, match, changes in VARIANT_ERRORS:
+        if "meta" in match:
+            continue
+        args = {name: cuda(value) for name, value in inputs(**changes).items()}
+        keywords = {name: args.pop(name) for name in ("cache_seqlens", "block_table", "window_size", "softcap", "alibi_slopes")
+                    if name in args}
+        with pytest.raises(error, match=match):
+            flashgen.attention_with_kvcache(*args.values(), **keywords)
+
+
 # ---- merge_attention_states ----------------------------------------------------------------------
 
 

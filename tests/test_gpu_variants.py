@@ -174,3 +174,76 @@ def test_torch_compile_fullgraph_with_variants():
     torch.testing.assert_close(out, ref)
     for a, b in zip(leaves, eager):
         torch.testing.assert_close(a.grad, b.grad)
+
+
+# ---- the Hopper forward (sm_90a): what the tables pick for variant calls of long queries ----------
+
+def hopper_only():
+    if device_arch(0) != "sm_90a":
+        pytest.skip("the Hopper forward needs sm_90a")
+
+
+@pytest.mark.parametrize("fields", [("window",), ("softcap",), ("alibi",), ("window", "softcap", "alibi")], ids="+".join)
+@pytest.mark.parametrize("head_dim", tuning.TEST_HEAD_DIMS)
+def test_variant_calls_run_the_hopper_forward(head_dim, fields):
+    hopper_only()
+    from flashgen import plans
+
+    q, k, v = make_qkv(2, 4, 2, 1000, 1000, head_dim, torch.bfloat16, seed=head_dim)
+    values = {"window": dict(window_size=(200, 17)), "softcap": dict(softcap=15.0), "alibi": dict(alibi_slopes=slopes_for(2, 4, True))}
+    variant = {key: value for field in fields for key, value in values[field].items()}
+    check(q, k, v, True, variant)
+    spec = plans.forward(0, head_dim, torch.bfloat16, True, 1000, "", fields).kernels[0].spec
+    assert spec.kind == "fwd_sm90" and all(getattr(spec, field) for field in fields)
+
+
+def check_forward(q, k, v, causal, variant, spec):
+    """The numerics rule for the forward through the kernel `spec` (lse too)."""
+    from flashgen.api import call
+
+    out, lse = call(q, k, v, causal, None, True, False, spec=spec, **variant)
+    ref, ref_lse = naive_attention(q, k, v, causal=causal, **variant)
+    low, _ = naive_attention(q, k, v, causal=causal, upcast=False, **variant)
+    assert not out.isnan().any()
+    err, bound = (out.float() - ref.float()).abs().max().item(), 2 * (low.float() - ref.float()).abs().max().item() + 1e-5
+    assert err <= bound, f"{spec.name}: max error {err:.3e} > bound {bound:.3e}"
+    assert torch.equal(lse.isneginf(), ref_lse.isneginf())
+    finite = ref_lse.isfinite()
+    if finite.any():
+        assert (lse[finite] - ref_lse[finite]).abs().max().item() <= 1e-2
+
+
+WINDOWS = {
+    "causal_window": (True, dict(window_size=(700, 0))),  # skips tiles before the window: ~1/3 of a causal row
+    "both_ends": (False, dict(window_size=(333, 129))),  # skips tiles at both ends
+    "left_only": (False, dict(window_size=(500, -1))),  # shortest rows at the end (the persistent order flips)
+    "right_only": (False, dict(window_size=(-1, 64))),
+    "everything": (True, dict(window_size=(640, 0), softcap=10.0)),
+}
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["tiles", "persistent"])
+@pytest.mark.parametrize("name", WINDOWS)
+@pytest.mark.parametrize("head_dim", (64, 128, 256))
+def test_hopper_forward_windows_over_long_sequences(head_dim, name, persistent):
+    """Windows that skip key tiles at one end or both, Tq != Tk (bottom-right aligned), one tile per
+    CTA and the persistent schedule (which walks from the end whose rows see more tiles)."""
+    hopper_only()
+    causal, variant = WINDOWS[name]
+    if name == "everything":
+        variant = {**variant, "alibi_slopes": slopes_for(2, 4, True)}
+    fields = tuple(f for f, key in (("window", "window_size"), ("softcap", "softcap"), ("alibi", "alibi_slopes")) if key in variant)
+    spec = tuning.forward_spec(head_dim, "bf16", causal, "sm_90a", 4096, variant=fields).replace(persistent=persistent)
+    for seqlen_q, seqlen_k in ((2000, 2000), (1500, 2100), (2100, 1300)):
+        q, k, v = make_qkv(2, 4, 1, seqlen_q, seqlen_k, head_dim, torch.bfloat16, seed=seqlen_q + head_dim)
+        check_forward(q, k, v, causal, variant, spec)
+
+
+def test_hopper_rows_whose_window_holds_no_key():
+    """Tq > Tk with a window of (0, 0): the first Tq - Tk rows see nothing (o = 0, lse = -inf), and
+    whole query tiles visit no key tile at all."""
+    hopper_only()
+    q, k, v = make_qkv(1, 2, 2, 700, 200, 128, torch.bfloat16)
+    for persistent in (False, True):
+        spec = tuning.forward_spec(128, "bf16", False, "sm_90a", 4096, variant=("window",)).replace(persistent=persistent)
+        check_forward(q, k, v, False, dict(window_size=(0, 0)), spec)

@@ -38,9 +38,9 @@ def make_inputs(lengths_q, lengths_k, heads, kv_heads, head_dim, dtype, seed=0):
     return q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k)
 
 
-def check_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, out, lse):
-    ref, ref_lse = reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, return_lse=True)
-    ref_lp = reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, upcast=False)
+def check_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, out, lse, **variant):
+    ref, ref_lse = reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, return_lse=True, **variant)
+    ref_lp = reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, upcast=False, **variant)
     assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (q.shape[1], q.shape[0])
     assert not out.isnan().any(), "NaN in output"
     err = (out.float() - ref.float()).abs().max().item() if out.numel() else 0.0
@@ -60,12 +60,13 @@ def grads(fn, q, k, v, d_o):
     return out, q.grad, k.grad, v.grad
 
 
-def check_gradients(q, k, v, cu_q, cu_k, max_q, max_k, causal, deterministic=False):
+def check_gradients(q, k, v, cu_q, cu_k, max_q, max_k, causal, deterministic=False, **variant):
     d_o = torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=torch.Generator(device="cuda").manual_seed(20261202))
     args = (cu_q, cu_k, max_q, max_k)
-    ours = grads(lambda q, k, v: flashgen.attention_varlen(q, k, v, *args, causal=causal, deterministic=deterministic), q, k, v, d_o)
-    ref = grads(lambda q, k, v: reference_varlen(q, k, v, *args, causal=causal), q, k, v, d_o)
-    low = grads(lambda q, k, v: reference_varlen(q, k, v, *args, causal=causal, upcast=False), q, k, v, d_o)
+    ours = grads(lambda q, k, v: flashgen.attention_varlen(q, k, v, *args, causal=causal, deterministic=deterministic, **variant),
+                 q, k, v, d_o)
+    ref = grads(lambda q, k, v: reference_varlen(q, k, v, *args, causal=causal, **variant), q, k, v, d_o)
+    low = grads(lambda q, k, v: reference_varlen(q, k, v, *args, causal=causal, upcast=False, **variant), q, k, v, d_o)
     for name, mine, exact, lowp in zip(("out", "dq", "dk", "dv"), ours, ref, low):
         assert mine.shape == exact.shape and mine.dtype == q.dtype, name
         assert not mine.isnan().any(), f"NaN in {name}"
@@ -242,3 +243,95 @@ def test_matches_attention_on_a_uniform_batch():
     packed = flashgen.attention_varlen(*(t.reshape(batch * seqlen, heads, d) for t in (q, k, v)), cu, cu, seqlen, seqlen, causal=True)
     dense = flashgen.attention(*(t.transpose(1, 2) for t in (q, k, v)), causal=True).transpose(1, 2)
     assert (packed.float() - dense.reshape(batch * seqlen, heads, d).float()).abs().max().item() < 2e-2
+
+
+# ---- the variants (window_size, softcap, alibi_slopes), each sequence aligned to its own end --------
+
+
+def slopes(batch, heads, per_sequence):
+    base = torch.tensor([2 ** (-8 * (i + 1) / heads) for i in range(heads)], device="cuda")
+    return torch.stack([base * (1 + 0.25 * b) for b in range(batch)]) if per_sequence else base
+
+
+VARIANTS = {
+    "window": dict(window_size=(100, 21)),
+    "window_left": dict(window_size=(64, -1)),
+    "softcap": dict(softcap=5.0),
+    "alibi": dict(alibi_slopes="heads"),
+    "alibi_per_sequence": dict(alibi_slopes="sequences"),
+    "everything": dict(window_size=(200, 0), softcap=20.0, alibi_slopes="sequences"),
+}
+
+
+def variant_values(name, batch, heads):
+    variant = dict(VARIANTS[name])
+    if "alibi_slopes" in variant:
+        variant["alibi_slopes"] = slopes(batch, heads, variant["alibi_slopes"] == "sequences")
+    return variant
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("batch", range(len(BATCHES)))
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_variants_forward_and_gradients(head_dim, batch, name, causal):
+    """Odd lengths, an empty sequence, q != k both ways (the window and ALiBi bottom-right in each)."""
+    inputs = make_inputs(*BATCHES[batch], 4, 2, head_dim, torch.bfloat16, seed=head_dim + batch)
+    variant = variant_values(name, len(BATCHES[batch][0]), 4)
+    out, lse = flashgen.attention_varlen(*inputs, causal=causal, return_lse=True, **variant)
+    check_forward(*inputs, causal, out, lse, **variant)
+    check_gradients(*inputs, causal, **variant)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
+@pytest.mark.parametrize("head_dim", tuning.TEST_HEAD_DIMS)
+def test_variants_at_every_head_dim(head_dim, deterministic):
+    inputs = make_inputs([700, 17, 0, 129], [650, 40, 3, 129], 8, 2, head_dim, torch.float16, seed=head_dim)
+    variant = variant_values("everything", 4, 8)
+    out, lse = flashgen.attention_varlen(*inputs, causal=True, return_lse=True, **variant)
+    check_forward(*inputs, True, out, lse, **variant)
+    check_gradients(*inputs, True, deterministic, **variant)
+
+
+def test_long_variant_calls_run_the_hopper_forward():
+    from flashgen import plans
+
+    inputs = make_inputs([1000, 300], [1000, 500], 4, 4, 128, torch.bfloat16)
+    variant = variant_values("everything", 2, 4)
+    out, lse = flashgen.attention_varlen(*inputs, causal=True, return_lse=True, **variant)
+    check_forward(*inputs, True, out, lse, **variant)
+    spec = plans.forward_varlen(0, 128, torch.bfloat16, True, 1000, "", ("window", "softcap", "alibi")).kernels[0].spec
+    assert spec.varlen and spec.window and spec.softcap and spec.alibi
+    assert spec.kind == ("fwd_sm90" if plans.device_arch(0) == "sm_90a" else "fwd")
+
+
+def test_variants_through_torch_compile_and_a_cuda_graph():
+    inputs = make_inputs([300, 17, 0, 129], [250, 40, 3, 129], 4, 2, 64, torch.bfloat16)
+    q, k, v, cu_q, cu_k, max_q, max_k = inputs
+    variant = variant_values("everything", 4, 4)
+
+    @torch.compile(fullgraph=True)
+    def step(q, k, v, cu_q, cu_k):
+        return flashgen.attention_varlen(q * 1.0, k, v, cu_q, cu_k, max_q, max_k, causal=True, **variant).float().square().sum()
+
+    def eager(q, k, v, cu_q, cu_k):
+        return flashgen.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, deterministic=True,
+                                         **variant).float().square().sum()
+
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    compiled = step(*leaves, cu_q, cu_k)
+    compiled.backward()
+    expected = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    loss = eager(*expected, cu_q, cu_k)
+    loss.backward()
+    torch.testing.assert_close(compiled, loss, rtol=1e-3, atol=0)
+    for a, b in zip(leaves, expected):
+        torch.testing.assert_close(a.grad, b.grad, rtol=2e-2, atol=2e-2)
+
+    expected = flashgen.attention_varlen(*inputs, causal=True, **variant)  # warm, outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flashgen.attention_varlen(*inputs, causal=True, **variant)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)

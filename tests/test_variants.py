@@ -80,19 +80,49 @@ def test_families_that_do_not_build_a_variant_refuse_it():
         KernelSpec(head_dim=64, kind="bwd_prep", window=True)
 
 
-@pytest.mark.parametrize("kind", MMA_KINDS)
-def test_a_plain_spec_renders_no_trace_of_the_variants(kind):
-    source = render(tuning.tuned_spec(kind, 64, "bf16", True, "sm_80"))
-    for word in ("window_", "sliding", "softcap", "alibi", "tanh", "struct Score", "slope"):
+def picks(variant=()):
+    """Every family that builds the variants, as the tables pick it for `variant`: the mma.sync
+    kinds, the Hopper forward (one tile per CTA, persistent, varlen) and the decode kernels."""
+    hopper = tuning.forward_spec(64, "bf16", True, "sm_90a", 4096, variant=variant)
+    return [*(tuning.tuned_spec(kind, 64, "bf16", True, "sm_80", variant) for kind in MMA_KINDS),
+            hopper, hopper.replace(persistent=True), tuning.forward_spec(64, "bf16", True, "sm_90a", 4096, True, variant),
+            tuning.decode_spec(64, "bf16", "sm_90a", False, 1, variant), tuning.decode_spec(128, "fp16", "sm_80", True, 40, variant)]
+
+
+HOPPER = picks()[len(MMA_KINDS)]
+
+
+@pytest.mark.parametrize("spec", picks(), ids=lambda spec: spec.name)
+def test_a_plain_spec_renders_no_trace_of_the_variants(spec):
+    source = render(spec)
+    for word in ("window_", "sliding", "softcap", "alibi", "tanh", "struct Score", "slope", "last_first"):
         assert word not in source, word
 
 
-@pytest.mark.parametrize("kind", MMA_KINDS)
-def test_each_variant_renders_only_its_own_code(kind):
-    window, softcap, alibi = (render(tuning.tuned_spec(kind, 64, "bf16", False, "sm_80", (field,))) for field in variants.FIELDS)
+@pytest.mark.parametrize("which", range(len(picks())), ids=[spec.name for spec in picks()])
+def test_each_variant_renders_only_its_own_code(which):
+    window, softcap, alibi = (render(picks((field,))[which]) for field in variants.FIELDS)
     assert "int window_left, int window_right" in window and "tanh" not in window and "alibi" not in window
     assert "tanh.approx.f32" in softcap and "softcap_scale" in softcap and "window_" not in softcap and "alibi" not in softcap
     assert "alibi_slopes" in alibi and "tanh" not in alibi and "window_" not in alibi
+    assert "Mask mask(seqlen_q, seqlen_k, window_left, window_right);" in window
+
+
+def test_the_hopper_forward_scores_each_tile_and_masks_per_warpgroup():
+    source = render(HOPPER.replace(window=True, softcap=True, alibi=True))
+    assert "Score(softcap_scale, alibi_slopes[i64(tl.batch) * alibi_batch_stride + tl.head] * alibi_scale" in source
+    for it in ("0", "it"):  # the scores, then the mask, at step 0 and in the loop
+        assert f"score_tile({it});\n{' ' * 20}mask_tile({it});" in source
+    assert "mask.partial(m0 + cw * 64, n0, 64, BLOCK_N)" in source  # this warpgroup's rows decide
+    persistent = render(HOPPER.replace(window=True, persistent=True))
+    assert "tile_info(mask, last_first ? num_m_blocks - 1 - mb : mb," in persistent
+
+
+def test_alibi_distances_stay_in_float():
+    """No int-to-float conversion per element of a tile: the lane's first distance, less constants."""
+    source = render(HOPPER.replace(alibi=True))
+    tile = source.split("DEVICE void tile(")[1].split("\n    }")[0]
+    assert "fabsf(first + float((e / 2) * 8 - nt * 8 - (e & 1)))" in tile and "abs(row" not in tile
 
 
 def test_the_backward_multiplies_the_caps_derivative_into_ds_and_alibi_does_not():
@@ -109,8 +139,10 @@ def test_softcap_changes_the_softmax_scale_the_host_passes():
     assert {p.name: p.value for p in plain.family.params(plain).params}["scale_log2"] == "scale * LOG2E"
 
 
-def test_the_window_bounds_are_packed_as_the_kernel_takes_them():
-    spec = KernelSpec(head_dim=64, kind="fwd", window=True)
+@pytest.mark.parametrize("spec", [KernelSpec(head_dim=64, kind="fwd", window=True), HOPPER.replace(window=True),
+                                  tuning.decode_spec(64, "bf16", "sm_90a", True, 1).replace(window=True)],
+                         ids=lambda spec: spec.name)
+def test_the_window_bounds_are_packed_as_the_kernel_takes_them(spec):
     pack = spec.family.packer(spec)
     assert {"window_left", "window_right"} <= set(pack.arguments)
     assert variants.window_bound(-1) == variants.UNBOUNDED and variants.window_bound(7) == 7
@@ -121,10 +153,18 @@ def test_the_tables_fall_back_to_the_family_that_builds_the_variant():
     for field in variants.FIELDS:
         chosen = tuning.forward_spec(128, "bf16", True, "sm_90a", 4096, variant=(field,))
         assert getattr(chosen, field)
-        if not tuning.takes(hopper.kind, (field,)):
-            assert chosen.kind == "fwd"
+        assert chosen.kind == (hopper.kind if tuning.takes(hopper.kind, (field,)) else "fwd")
         for spec in tuning.backward_specs(128, "bf16", True, "sm_90a", False, variant=(field,)):
             assert getattr(spec, field)
+
+
+@pytest.mark.parametrize("head_dim", tuning.TEST_HEAD_DIMS)
+def test_on_hopper_variant_calls_run_the_hopper_forward(head_dim):
+    """Long queries on sm_90a, packed or not; short ones take the mma.sync forward, as plain calls do."""
+    for varlen in (False, True):
+        for causal in (False, True):
+            assert tuning.forward_spec(head_dim, "fp16", causal, "sm_90a", 4096, varlen, ALL).kind == "fwd_sm90"
+            assert tuning.forward_spec(head_dim, "fp16", causal, "sm_90a", 64, varlen, ALL).kind == "fwd"
 
 
 ALL = ("window", "softcap", "alibi")
@@ -133,18 +173,49 @@ DOC = MaskMod("doc[q_idx] == doc[kv_idx]", lambda b, h, q_idx, kv_idx: q_idx >= 
 BIAS = ScoreMod("score + bias[h * 255 + min(max(q_idx - kv_idx + 127, 0), 254)]", lambda score, b, h, q_idx, kv_idx: score,
                 grad="1.f", tensors={"bias": torch.zeros(4, 255)})
 RULES = (("mask_mod", DOC.source), ("score_mod", BIAS.source))
-# The tables' picks with every variant and both rules on (the most registers) on both targets (every
-# head dim on sm_90a), and on sm_90a with the flags alone and each alone at the common head dims.
+
+
+def variant_picks(arch, head_dim, causal, fields, varlen=False):
+    """The tables' kernels for a variant call: the forward for long and short queries (on sm_90a
+    the Hopper and the mma.sync forward), and the backward in both modes."""
+    return [*(tuning.forward_spec(head_dim, "bf16", causal, arch, t, varlen, fields) for t in (4096, 64)),
+            *(s for det in (False, True) for s in tuning.backward_specs(head_dim, "bf16", causal, arch, det, varlen, fields))]
+
+
+# The tables' picks with every variant (and both rules) on, the most registers, on both targets
+# (every head dim on sm_90a); on sm_90a also with each one alone at the common head dims; packed
+# sequences (varlen) with every variant on; the Hopper forward's persistent form of its picks
+# (`flashgen tune` may choose it), causal.
 VARIANT_SPECS = list(dict.fromkeys(
     spec
     for arch in ("sm_90a", "sm_80")
     for head_dim in tuning.TEST_HEAD_DIMS
-    for causal, fields in ((True, ALL + RULES), *(((False, ALL),) if arch == "sm_90a" else ()),
-                           *(((False, (f,)) for f in ALL + RULES) if head_dim in (64, 128) and arch == "sm_90a" else ()))
-    for spec in [tuning.forward_spec(head_dim, "bf16", causal, arch, 4096, variant=fields),
-                 *(s for det in (False, True) for s in tuning.backward_specs(head_dim, "bf16", causal, arch, det, variant=fields))]
     if arch == "sm_90a" or head_dim in (64, 128)
+    for causal, fields, varlen in (
+        (True, ALL + RULES, False), (True, ALL, True),
+        *(((False, ALL, False), *((False, (f,), False) for f in ALL + RULES)) if arch == "sm_90a" and head_dim in (64, 128) else
+          ((False, ALL, False),) if arch == "sm_90a" else ()),
+    )
+    for spec in variant_picks(arch, head_dim, causal, fields, varlen)
 ))
+VARIANT_SPECS += [spec.replace(persistent=True) for spec in VARIANT_SPECS
+                  if spec.kind == "fwd_sm90" and spec.causal and not spec.varlen]
+# The decode kernels with every variant on: contiguous and paged caches, both row counts.
+VARIANT_SPECS += list(dict.fromkeys(
+    tuning.decode_spec(head_dim, "bf16", arch, paged, rows, ALL)
+    for arch in ("sm_90a", "sm_80")
+    for head_dim in tuning.TEST_HEAD_DIMS
+    if arch == "sm_90a" or head_dim in (64, 128)
+    for paged in (False, True)
+    for rows in tuning.DECODE_BLOCK_M
+))
+
+
+def test_the_sweep_holds_every_family_that_builds_variants():
+    kinds = {spec.kind for spec in VARIANT_SPECS}
+    assert {"fwd_sm90", "decode", "decode_paged", *MMA_KINDS} <= kinds
+    assert {spec.kind for spec in VARIANT_SPECS if spec.varlen} >= {"fwd_sm90", "fwd", "bwd_kvq", "bwd_q"}
+    assert any(spec.persistent for spec in VARIANT_SPECS)
 
 
 @pytest.mark.parametrize("spec", VARIANT_SPECS, ids=lambda spec: spec.name)

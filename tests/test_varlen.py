@@ -374,3 +374,82 @@ def test_alignment_keeps_usable_packed_views_and_copies_the_rest():
     assert _aligned(odd) is not odd and _aligned(odd).is_contiguous()
     broadcast = torch.ones(10, 1, 1).expand(10, 4, 64)
     assert _aligned(broadcast).stride(-1) == 1
+
+
+# ---- the variants (window_size, softcap, alibi_slopes) ------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("variant", [dict(window_size=(3, 2)), dict(window_size=(0, -1)), dict(softcap=2.0),
+                                     dict(alibi_slopes="heads"), dict(alibi_slopes="batch"),
+                                     dict(window_size=(5, 0), softcap=1.5, alibi_slopes="batch")], ids=str)
+def test_reference_variants_are_naive_attention_of_each_sequence(variant, causal):
+    """Aligned to each sequence's own end; per-sequence slopes are the sequence's row of (batch, heads)."""
+    lengths_q, lengths_k = [1, 17, 13, 0, 9], [3, 9, 13, 7, 30]
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_inputs(lengths_q, lengths_k, seed=3)
+    slopes = {"heads": torch.rand(4), "batch": torch.rand(5, 4)}
+    variant = {**variant, **({"alibi_slopes": slopes[variant["alibi_slopes"]]} if "alibi_slopes" in variant else {})}
+    out, lse = reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, return_lse=True, **variant)
+    for b in range(len(lengths_q)):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        one = [t[s].transpose(0, 1)[None] for t, s in ((q, rows), (k, keys), (v, keys))]
+        mine = dict(variant)
+        if "alibi_slopes" in mine and mine["alibi_slopes"].dim() == 2:
+            mine["alibi_slopes"] = mine["alibi_slopes"][b]
+        ref, ref_lse = naive_attention(*one, causal=causal, **mine)
+        torch.testing.assert_close(out[rows], ref[0].transpose(0, 1), atol=1e-6, rtol=0)
+        torch.testing.assert_close(lse[:, rows], ref_lse[0], atol=1e-6, rtol=0)
+
+
+VARIANT_ERRORS = [
+    (dict(window_size=(1, 2, 3)), ValueError, "window_size=.*: must be \\(left, right\\)"),
+    (dict(window_size=(-2, 0)), ValueError, "window_size=\\(-2, 0\\)"),
+    (dict(softcap=-1.0), ValueError, "softcap=-1.0: must be a finite number >= 0"),
+    (dict(softcap=float("nan")), ValueError, "softcap=nan"),
+    (dict(alibi_slopes=torch.ones(3)), ValueError, r"alibi_slopes has shape \(3,\); it must be \(4,\) or \(2, 4\)"),
+    (dict(alibi_slopes=torch.ones(3, 4)), ValueError, r"alibi_slopes has shape \(3, 4\); it must be \(4,\) or \(2, 4\)"),
+    (dict(alibi_slopes=torch.ones(4, dtype=torch.float16)), TypeError, "alibi_slopes has dtype torch.float16; it must be torch.float32"),
+    (dict(alibi_slopes=torch.ones(4, device="meta")), ValueError, "alibi_slopes is on meta, the inputs on cpu"),
+    (dict(alibi_slopes=[1.0] * 4), TypeError, "alibi_slopes must be a torch.Tensor, got list"),
+]
+
+
+@pytest.mark.parametrize("changes, error, message", VARIANT_ERRORS, ids=[m[:40] for _, _, m in VARIANT_ERRORS])
+def test_bad_variants_raise_named_errors(changes, error, message):
+    """Before the device check (CPU tensors), in attention_varlen and in its reference; the batch
+    of (batch, heads) slopes is the number of sequences."""
+    with pytest.raises(error, match=message):
+        flashgen.attention_varlen(**inputs(), **changes)
+    with pytest.raises(error, match=message):
+        reference_varlen(**inputs(), **changes)
+
+
+def test_good_variants_reach_the_device_check():
+    with pytest.raises(ValueError, match="runs on NVIDIA GPUs"):
+        flashgen.attention_varlen(**inputs(), window_size=(8, 0), softcap=3.0, alibi_slopes=torch.ones(2, 4), causal=True)
+
+
+def test_variant_plans_pick_the_variant_kernels_and_pack_their_values(driver, stub_kernels, monkeypatch):  # noqa: F811
+    """Forward (short: the mma.sync kernel) and backward plans of a variant call carry its fields;
+    each kernel gets the window's bounds (unbounded: 1 << 30), the cap's scale and the slopes with
+    their per-sequence stride."""
+    from flashgen import variants
+
+    monkeypatch.setitem(plans._arch, -1, "sm_90a")
+    cu = torch.tensor([0, 40, 60], dtype=torch.int32)
+    q = packed(cu, 4, 64)
+    slopes = torch.ones(2, 4)
+    forward = plans.forward_varlen(-1, 64, torch.bfloat16, True, 40, "", ("window", "softcap", "alibi"))
+    (spec,) = [kernel.spec for kernel in forward.kernels]
+    assert (spec.kind, spec.varlen, spec.window, spec.softcap, spec.alibi) == ("fwd", True, True, True, True)
+    values = dict(q=q, k=q, v=q, o=torch.empty_like(q), lse=None, scale=0.125, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=40,
+                  window_left=16, window_right=-1, softcap=5.0, alibi_slopes=slopes)
+    forward.run(-1, values)
+    got = unpack(spec, driver.launches[0]["params"])
+    assert (got["window_left"], got["window_right"]) == (16, variants.UNBOUNDED)
+    assert got["softcap_scale"] == pytest.approx(0.125 / 5.0) and got["scale_log2"] == pytest.approx(5.0 * LOG2E)
+    assert got["alibi_slopes"] == slopes.data_ptr() and got["alibi_batch_stride"] == 4 and got["alibi_scale"] == pytest.approx(0.2)
+    backward = plans.backward_varlen(-1, 64, torch.bfloat16, True, False, spec.canonical(), ("window", "alibi"))
+    assert all(k.spec.window and k.spec.alibi and not k.spec.softcap for k in backward.kernels if k.spec.kind != "bwd_prep")
+    long = plans.forward_varlen(-1, 64, torch.bfloat16, True, 4000, "", ("window",)).kernels[0].spec
+    assert long.kind == "fwd_sm90" and long.varlen and long.window

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 
+from .. import variants
 from ..params import Param, Params, pointer, scalar, tensor
 from ..smem import Region, SmemLayout
 from ..spec import SMEM_LIMIT, KernelSpec, SpecError
@@ -50,12 +51,12 @@ def _occupancy(spec: KernelSpec, threads: int, smem: int) -> int:
 class DecodeAttention(Family):
     kinds = ("decode", "decode_paged")
     template = "attention_decode.cu.j2"
-    fields = ("head_dim", "block_m", "block_n", "dtype", "num_warps", "num_stages", "arch")
+    fields = ("head_dim", "block_m", "block_n", "dtype", "num_warps", "num_stages", "arch", *variants.FIELDS)
     # The tensors, and the sizes attention_with_kvcache has read once already (the packing then
     # reads no shape twice): a decode step's host cost is mostly Python.
     arguments = ("q", "k_cache", "v_cache", "k", "v", "k_strides", "v_strides", "cache_seqlens", "cache_seqlens_stride",
                  "cache_len", "capacity", "block_table", "num_pages", "page_size", "page_divisor", "o", "lse", "partials",
-                 "batch", "seqlen_q", "heads", "kv_heads", "seqlen_new", "splits", "causal", "scale")
+                 "batch", "seqlen_q", "heads", "kv_heads", "seqlen_new", "splits", "causal", "scale", *variants.ARGUMENTS)
 
     @staticmethod
     def paged(spec: KernelSpec) -> bool:
@@ -143,7 +144,8 @@ class DecodeAttention(Family):
             scalar("kv_group", "int", "heads // kv_heads"),
             scalar("splits", "int"),
             scalar("causal", "int"),
-            scalar("scale_log2", "float", "scale * LOG2E"),
+            scalar("scale_log2", "float", variants.scale_log2(spec)),
+            *variants.params(spec),
         ])
 
     def grid(self, spec: KernelSpec) -> str:
@@ -156,7 +158,9 @@ class DecodeAttention(Family):
             "paged": self.paged(spec),
             "warps_m": self.warps_m(spec),
             "warps_n": self.warps_n(spec),
-            "causal": True,  # the mask piece's causal rule; a non-causal call puts every row at the last query
+            # The mask piece's causal rule (a non-causal call puts every row at the last query), or
+            # the window's rule, whose right side holds the causal one (0 then).
+            "causal": not spec.window,
         }
 
 
