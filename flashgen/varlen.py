@@ -47,7 +47,7 @@ def forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, causal:
         return o.zero_(), None if lse is None else lse.fill_(-math.inf)
     device = q.get_device()
     max_seqlen_q = min(max_seqlen_q, total_q)  # no sequence is longer than the packed tensor
-    variant, values = _variant_values(window_left, window_right, softcap, alibi_slopes)
+    variant, values = _variant_values(q, k, causal, window_left, window_right, softcap, alibi_slopes)
     plan = plans.forward_varlen(device, head_dim, q.dtype, causal, max_seqlen_q, kernel, variant)
     plan.run(device, {
         "q": _aligned(q), "k": _aligned(k), "v": _aligned(v), "o": o, "lse": lse, "scale": scale,
@@ -64,7 +64,7 @@ def backward_impl(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, max_s
     if q.shape[0] == 0 or k.shape[0] == 0 or q.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     device = q.get_device()
-    variant, variant_values = _variant_values(window_left, window_right, softcap, alibi_slopes)
+    variant, variant_values = _variant_values(q, k, causal, window_left, window_right, softcap, alibi_slopes)
     plan = plans.backward_varlen(device, q.shape[2], q.dtype, causal, deterministic, kernel, variant)
     values = {name: _aligned(t) for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("d_o", d_o))}
     values.update(

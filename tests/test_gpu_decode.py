@@ -58,6 +58,7 @@ class Problem:
         """(out, lse, k_cache, v_cache) of the oracle on CPU copies of the current state."""
         cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
         k_cache, v_cache = self.k_cache.cpu(), self.v_cache.cpu()
+        options = {name: cpu(value) if isinstance(value, torch.Tensor) else value for name, value in options.items()}
         out, lse = reference.attention_with_kvcache(
             cpu(self.q), k_cache, v_cache, cpu(self.k), cpu(self.v), cache_seqlens=cpu(self.cache_seqlens),
             block_table=cpu(self.block_table), return_softmax_lse=True, upcast=upcast, **options,

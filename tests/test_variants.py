@@ -193,8 +193,8 @@ VARIANT_SPECS = list(dict.fromkeys(
     if arch == "sm_90a" or head_dim in (64, 128)
     for causal, fields, varlen in (
         (True, ALL + RULES, False), (True, ALL, True),
-        *(((False, ALL, False), *((False, (f,), False) for f in ALL + RULES)) if arch == "sm_90a" and head_dim in (64, 128) else
-          ((False, ALL, False),) if arch == "sm_90a" else ()),
+        *(((True, ALL, False), (False, ALL, False), *((False, (f,), False) for f in ALL + RULES))
+          if arch == "sm_90a" and head_dim in (64, 128) else ((True, ALL, False), (False, ALL, False)) if arch == "sm_90a" else ()),
     )
     for spec in variant_picks(arch, head_dim, causal, fields, varlen)
 ))
