@@ -51,3 +51,26 @@ def run_prebuilt(tmp_path, spec, body: str) -> str:
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
+
+
+def outputs_and_grads(fn, q, k, v, grad=True, seed=20261203):
+    """(out, dq, dk, dv) of fn(q, k, v) on fresh leaves with a seeded upstream gradient, or (out,)."""
+    gen = torch.Generator(device=q.device).manual_seed(seed)
+    d_o = torch.randn(q.shape, device=q.device, dtype=q.dtype, generator=gen)
+    leaves = [t.detach().clone().requires_grad_(grad) for t in (q, k, v)]
+    out = fn(*leaves)
+    if not grad:
+        return (out.detach(),)
+    out.backward(d_o)
+    return (out.detach(), *(t.grad for t in leaves))
+
+
+def check_by_the_numerics_rule(ours, exact, low, dtype):
+    """max|x - exact| <= c * max|x_low - exact| + 1e-5 for the output (c = 2) and each gradient (c = 3),
+    x_low the same computation in the inputs' dtype; no NaN anywhere."""
+    for name, mine, ref, lowp in zip(("out", "dq", "dk", "dv"), ours, exact, low):
+        assert mine.shape == ref.shape and mine.dtype == dtype, name
+        assert not mine.isnan().any(), f"NaN in {name}"
+        err = (mine.float() - ref.float()).abs().max().item()
+        bound = (2 if name == "out" else 3) * (lowp.float() - ref.float()).abs().max().item() + 1e-5
+        assert err <= bound, f"{name}: max error {err:.3e} > bound {bound:.3e}"

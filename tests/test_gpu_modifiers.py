@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import check_by_the_numerics_rule, outputs_and_grads
 
 import flashgen
 from flashgen import MaskMod, ScoreMod
@@ -32,27 +33,13 @@ def twin(rule):
 
 
 def check(q, k, v, causal=False, score_mod=None, mask_mod=None, grad=True, deterministic=False, **variant):
-    gen = torch.Generator(device="cuda").manual_seed(11)
-    d_o = torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=gen)
-
-    def go(fn):
-        leaves = [t.detach().clone().requires_grad_(grad) for t in (q, k, v)]
-        out = fn(*leaves)
-        if not grad:
-            return (out.detach(),)
-        out.backward(d_o)
-        return (out.detach(), *(t.grad for t in leaves))
-
-    ours = go(lambda q, k, v: flashgen.attention(q, k, v, causal=causal, score_mod=score_mod, mask_mod=mask_mod,
-                                                 deterministic=deterministic, **variant))
+    """flashgen with the rules against the oracle running their Python twins, by the numerics rule."""
+    ours = outputs_and_grads(lambda q, k, v: flashgen.attention(q, k, v, causal=causal, score_mod=score_mod, mask_mod=mask_mod,
+                                                                deterministic=deterministic, **variant), q, k, v, grad)
     oracle = dict(causal=causal, score_mod=twin(score_mod), mask_mod=twin(mask_mod), **variant)
-    exact = go(lambda q, k, v: naive_attention(q, k, v, **oracle)[0])
-    low = go(lambda q, k, v: naive_attention(q, k, v, upcast=False, **oracle)[0])
-    for name, mine, ref, lowp in zip(("out", "dq", "dk", "dv"), ours, exact, low):
-        assert not mine.isnan().any(), f"NaN in {name}"
-        err = (mine.float() - ref.float()).abs().max().item()
-        bound = (2 if name == "out" else 3) * (lowp.float() - ref.float()).abs().max().item() + 1e-5
-        assert err <= bound, f"{name}: max error {err:.3e} > bound {bound:.3e}"
+    exact = outputs_and_grads(lambda q, k, v: naive_attention(q, k, v, **oracle)[0], q, k, v, grad)
+    low = outputs_and_grads(lambda q, k, v: naive_attention(q, k, v, upcast=False, **oracle)[0], q, k, v, grad)
+    check_by_the_numerics_rule(ours, exact, low, q.dtype)
     return ours
 
 

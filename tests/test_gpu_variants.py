@@ -4,6 +4,7 @@ computation in the inputs' dtype (c = 2 for the output, 3 for gradients)."""
 
 import pytest
 import torch
+from conftest import check_by_the_numerics_rule, outputs_and_grads
 
 import flashgen
 from flashgen import tuning
@@ -31,31 +32,16 @@ def slopes_for(batch, heads, per_batch=False):
 
 def run_both(q, k, v, causal, variant, deterministic=False, grad=True):
     """(ours, exact, low-precision): each (out, dq, dk, dv), or (out,) without grad."""
-    gen = torch.Generator(device="cuda").manual_seed(20261203)
-    d_o = torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=gen)
-
-    def go(fn):
-        leaves = [t.detach().clone().requires_grad_(grad) for t in (q, k, v)]
-        out = fn(*leaves)
-        if not grad:
-            return (out.detach(),)
-        out.backward(d_o)
-        return (out.detach(), *(t.grad for t in leaves))
-
-    ours = go(lambda q, k, v: flashgen.attention(q, k, v, causal=causal, deterministic=deterministic, **variant))
-    exact = go(lambda q, k, v: naive_attention(q, k, v, causal=causal, **variant)[0])
-    low = go(lambda q, k, v: naive_attention(q, k, v, causal=causal, upcast=False, **variant)[0])
+    ours = outputs_and_grads(lambda q, k, v: flashgen.attention(q, k, v, causal=causal, deterministic=deterministic, **variant),
+                             q, k, v, grad)
+    exact = outputs_and_grads(lambda q, k, v: naive_attention(q, k, v, causal=causal, **variant)[0], q, k, v, grad)
+    low = outputs_and_grads(lambda q, k, v: naive_attention(q, k, v, causal=causal, upcast=False, **variant)[0], q, k, v, grad)
     return ours, exact, low
 
 
 def check(q, k, v, causal, variant, deterministic=False, grad=True):
     ours, exact, low = run_both(q, k, v, causal, variant, deterministic, grad)
-    for name, mine, ref, lowp in zip(("out", "dq", "dk", "dv"), ours, exact, low):
-        assert mine.shape == ref.shape and mine.dtype == q.dtype, name
-        assert not mine.isnan().any(), f"NaN in {name}"
-        err = (mine.float() - ref.float()).abs().max().item()
-        bound = (2 if name == "out" else 3) * (lowp.float() - ref.float()).abs().max().item() + 1e-5
-        assert err <= bound, f"{name}: max error {err:.3e} > bound {bound:.3e}"
+    check_by_the_numerics_rule(ours, exact, low, q.dtype)
     return ours
 
 
