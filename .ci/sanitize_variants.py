@@ -1,0 +1,40 @@
+"""One small call of each new asynchronous path (the Hopper forward and backward with a window, the
+d = 256 backward layout, a mask rule's lists, a windowed decode step), for compute-sanitizer; then the
+same calls again, bitwise equal. Usage (GPU): PYTHONPATH=. python3 .ci/sanitize_variants.py"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+import flashgen
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+import rules  # noqa: E402
+
+
+def calls():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    out = []
+    for head_dim, window in ((128, (100, 0)), (256, (-1, -1))):
+        q, k, v = (torch.randn(1, 2, 300, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+                   for _ in range(3))
+        o = flashgen.attention(q, k, v, causal=True, window_size=window)
+        o.sum().backward()
+        out += [o, q.grad, k.grad, v.grad]
+    q, k, v = (torch.randn(1, 2, 300, 64, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_() for _ in range(3))
+    o = flashgen.attention(q, k, v, mask_mod=rules.prefix_lm(40), deterministic=True)
+    o.sum().backward()
+    out += [o, q.grad, k.grad, v.grad]
+    cache = torch.randn(2, 2, 512, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    qd = torch.randn(2, 1, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    lengths = torch.tensor([100, 400], dtype=torch.int32, device="cuda")
+    out.append(flashgen.attention_with_kvcache(qd, cache[0], cache[1], cache_seqlens=lengths, window_size=(64, 0),
+                                               causal=True, num_splits=3))
+    return out
+
+
+first = calls()
+again = calls()
+same = all(torch.equal(a, b) for a, b in zip(first, again))
+print("bitwise equal on rerun:", same)
