@@ -43,7 +43,7 @@ then comes from the query-major bwd_q pass, in a fixed order).
 
 from __future__ import annotations
 
-from .. import variants
+from .. import modifiers, variants
 from ..params import Params, pointer, scalar, tensormap
 from ..smem import Region, SmemLayout
 from ..spec import SMEM_LIMIT, KernelSpec, SpecError
@@ -63,9 +63,12 @@ MAX_STAGE_FLOATS = 64 * 128  # fp32 dQ staging per warpgroup: 32 KB
 class HopperBackward(Family):
     kinds = ("bwd_sm90_kvq", "bwd_sm90_kv")
     template = "attention_bwd_sm90.cu.j2"
-    # Variants: sliding windows (the mask alone). ALiBi and softcap run their backward on the mma.sync
-    # family: the slope's registers spill here, and softcap's derivative is one more tile of them.
-    fields = ("head_dim", "block_m", "block_n", "dtype", "causal", "num_stages", "arch", "window")
+    # Variants: sliding windows (the mask alone) in both layouts; softcap, ALiBi and score rules in the
+    # split one (block_n=64), where the warpgroup that computes P^T applies the score piece and hands
+    # P^T d(logit)/d(s) to the one that computes dS^T (with block_n=128 a thread would hold the
+    # derivative as one more score tile, past its registers). Mask rules run on the mma.sync family.
+    fields = ("head_dim", "block_m", "block_n", "dtype", "causal", "num_stages", "arch", "window", "softcap", "alibi",
+              "score_mod")
     arguments = ("q", "k", "v", "d_o", "lse_log2", "delta", "dk", "dv", "dq_accum", "scale", *variants.ARGUMENTS)
     tune_space = {"block_m": (64, 128), "block_n": (64, 128), "num_stages": (2, 3)}
 
@@ -99,6 +102,13 @@ class HopperBackward(Family):
             raise SpecError(f"block_m={spec.block_m}: must be 64 or 128 (query rows per step, whole dQ pieces)")
         if spec.num_stages not in (2, 3):
             raise SpecError(f"num_stages={spec.num_stages}: must be 2 or 3 (Q and dO tiles in flight)")
+        if (spec.softcap or spec.alibi or spec.score_mod) and not self.split(spec):
+            raise SpecError(
+                f"block_n={spec.block_n}: a {spec.kind} kernel with softcap, alibi or a score_mod needs block_n=64 "
+                f"(the split layout, where one warpgroup applies the score and hands its derivative to the other)"
+            )
+        if spec.score_mod and not modifiers.parse(spec.score_mod)["grad"]:
+            raise SpecError("score_mod: a backward kernel needs the rule's gradient (ScoreMod(..., grad=...))")
         pad = self.head_dim_pad(spec)
         if self.split(spec):
             # fp32 registers a consumer thread holds at once: its gradient (dV or dK, pad / 2) and its
