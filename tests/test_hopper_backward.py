@@ -96,8 +96,8 @@ def test_split_layout_renders_only_in_split_specs():
     (dict(head_dim=192, block_n=64, block_m=128), "needs 281656 bytes of shared memory"),
     (dict(head_dim=64, arch="sm_80"), "needs sm_90a"),
     (dict(head_dim=64, block_m=96), "block_m=96"),
-    (dict(head_dim=64, softcap=True), "softcap, alibi or a score_mod needs block_n=64"),
-    (dict(head_dim=128, alibi=True), "softcap, alibi or a score_mod needs block_n=64"),
+    (dict(head_dim=64, block_m=128, softcap=True), "needs 16 registers more than its 192"),
+    (dict(head_dim=128, alibi=True), "needs 16 registers more than its 192"),
     (dict(head_dim=64, block_n=64, score_mod=ScoreMod("score", lambda score, b, h, q_idx, kv_idx: score).source),
      "needs the rule's gradient"),
 ])
@@ -112,13 +112,15 @@ MASK_RULE = MaskMod("q_idx >= kv_idx", lambda b, h, q_idx, kv_idx: q_idx >= kv_i
 
 @pytest.mark.parametrize("head_dim", (64, 128, 256))
 def test_score_variants_run_the_split_layout_and_windows_keep_theirs(head_dim):
-    """softcap, ALiBi and score rules take the Hopper backward in its split layout at every head
-    dim, in both modes; a window alone keeps the plain tiles; a mask rule runs on mma.sync."""
+    """softcap, ALiBi and score rules take the Hopper backward at every head dim, in both modes: in
+    the block_n=128 layout at d = 64 (block_m=64, where its registers leave room), in the split one
+    above; a window alone keeps the plain tiles; a mask rule runs on mma.sync."""
     plain = tuning.backward_specs(head_dim, "bf16", True, "sm_90a", False)[0]
     for variant in (("softcap",), ("alibi",), ("window", "softcap", "alibi"), (("score_mod", SCORE_RULE.source),)):
         for deterministic in (False, True):
             first = tuning.backward_specs(head_dim, "bf16", True, "sm_90a", deterministic, variant=variant)[0]
-            assert first.kind == ("bwd_sm90_kv" if deterministic else "bwd_sm90_kvq") and first.family.split(first)
+            assert first.kind == ("bwd_sm90_kv" if deterministic else "bwd_sm90_kvq")
+            assert first.family.split(first) == (head_dim > 64) and first.block_m == {64: 64, 128: 128, 256: 64}[head_dim]
     window = tuning.backward_specs(head_dim, "bf16", True, "sm_90a", False, variant=("window",))[0]
     assert (window.kind, window.block_m, window.block_n) == (plain.kind, plain.block_m, plain.block_n)
     rule = tuning.backward_specs(head_dim, "bf16", True, "sm_90a", False, variant=(("mask_mod", MASK_RULE.source),))[0]
@@ -128,13 +130,16 @@ def test_score_variants_run_the_split_layout_and_windows_keep_theirs(head_dim):
 def test_the_split_layout_hands_the_score_derivative_over():
     """With softcap (a derivative) warpgroup 1 hands P^T d(logit)/d(s) to warpgroup 2, tile by tile
     after the P_FREE handshake; with ALiBi (derivative 1) it hands P^T itself; a plain spec renders
-    no score piece."""
+    no score piece. The block_n=128 layout puts the derivative into dS^T in the pass that makes P^T,
+    after both score products."""
     base = KernelSpec(kind="bwd_sm90_kvq", head_dim=128, block_m=64, block_n=64, causal=True)
     capped, alibi = render(base.replace(softcap=True)), render(base.replace(alibi=True))
     assert "handed[e] = p * grad;" in capped and "struct Score" in capped
     assert capped.index("named_sync(BAR_P_FREE, 256)") < capped.index("handed[e] = p * grad;")
     assert "handed" not in alibi and "const float u = score(s[nt][e], m0 + col + (e & 1), key0 + (e / 2) * 8);" in alibi
     assert "Score" not in render(base) and "softcap" not in render(base) and "alibi" not in render(base)
+    whole = render(base.replace(block_n=128, head_dim=64, softcap=True))
+    assert "dp[nt][e] = p * grad * (dp[nt][e]" in whole and "wgmma_wait<1>" not in whole.split("for (int step = 0;")[2]
 
 
 def _kernel_accumulator(spec, dq: torch.Tensor) -> torch.Tensor:

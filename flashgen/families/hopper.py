@@ -130,14 +130,5 @@ class HopperForward(Family):
             return f"(min({self._tiles(spec)}, sm_count(q)), 1, 1)"
         return f"(-(-q.shape[2] // {spec.block_m}), q.shape[1], q.shape[0])"
 
-    # The share of each score tile whose exp2 runs as a polynomial on the FMA pipe (softmax.cuh.j2),
-    # for soft-capped specs: their tanh and exp2 would both take the MUFU pipe.
-    SOFTCAP_FMA_EXP2 = 0.25  # measured (.ci/probe_variants.py): 0.25 gained 2-4 %, 0.5 and more lost
-
-    def fma_exp2_tiles(self, spec: KernelSpec) -> int:
-        return int(spec.block_n // 8 * self.SOFTCAP_FMA_EXP2) if spec.softcap else 0
-
     def context(self, spec: KernelSpec) -> dict:
-        # lazy_rescale: a row keeps its softmax shift until its max passes it by 2^8 (softmax.cuh.j2),
-        # so most key tiles skip the rescale of O that sits between two P V products.
-        return {**super().context(spec), "wgmma": True, "fma_exp2_tiles": self.fma_exp2_tiles(spec), "lazy_rescale": True}
+        return {**super().context(spec), "wgmma": True}

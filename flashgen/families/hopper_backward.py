@@ -58,6 +58,9 @@ from .hopper import _tensor_map
 PIECE = 64
 FRAGMENT = (8, 4, 8, 4, 2, 2)  # n8 tile, warp, lane / 4, lane % 4, row half, column
 MAX_STAGE_FLOATS = 64 * 128  # fp32 dQ staging per warpgroup: 32 KB
+# What the score piece (softcap, ALiBi, a score rule) takes beside the accumulators in the block_n=128
+# layout: past 192 accumulators its kernels spilled (CPU compile sweep, tests/test_variants.py).
+SCORE_REGISTERS = 16
 
 
 class HopperBackward(Family):
@@ -65,8 +68,9 @@ class HopperBackward(Family):
     template = "attention_bwd_sm90.cu.j2"
     # Variants: sliding windows (the mask alone) in both layouts; softcap, ALiBi and score rules in the
     # split one (block_n=64), where the warpgroup that computes P^T applies the score piece and hands
-    # P^T d(logit)/d(s) to the one that computes dS^T (with block_n=128 a thread would hold the
-    # derivative as one more score tile, past its registers). Mask rules run on the mma.sync family.
+    # P^T d(logit)/d(s) to the one that computes dS^T, and in the block_n=128 one where the registers
+    # leave room (SCORE_REGISTERS: head dims up to 64 with block_m=64), which then computes P^T and
+    # dS^T in one pass after both score products. Mask rules run on the mma.sync family.
     fields = ("head_dim", "block_m", "block_n", "dtype", "causal", "num_stages", "arch", "window", "softcap", "alibi",
               "score_mod")
     arguments = ("q", "k", "v", "d_o", "lse_log2", "delta", "dk", "dv", "dq_accum", "scale", *variants.ARGUMENTS)
@@ -102,11 +106,6 @@ class HopperBackward(Family):
             raise SpecError(f"block_m={spec.block_m}: must be 64 or 128 (query rows per step, whole dQ pieces)")
         if spec.num_stages not in (2, 3):
             raise SpecError(f"num_stages={spec.num_stages}: must be 2 or 3 (Q and dO tiles in flight)")
-        if (spec.softcap or spec.alibi or spec.score_mod) and not self.split(spec):
-            raise SpecError(
-                f"block_n={spec.block_n}: a {spec.kind} kernel with softcap, alibi or a score_mod needs block_n=64 "
-                f"(the split layout, where one warpgroup applies the score and hands its derivative to the other)"
-            )
         if spec.score_mod and not modifiers.parse(spec.score_mod)["grad"]:
             raise SpecError("score_mod: a backward kernel needs the rule's gradient (ScoreMod(..., grad=...))")
         pad = self.head_dim_pad(spec)
@@ -122,6 +121,12 @@ class HopperBackward(Family):
                 )
             # dV and dK (pad / 2 each), S^T and dP^T (block_m / 2 each).
             held, holds = pad + spec.block_m, "dV, dK, S^T, dP^T"
+        if (spec.softcap or spec.alibi or spec.score_mod) and not self.split(spec) and held + SCORE_REGISTERS > 192:
+            raise SpecError(
+                f"block_m={spec.block_m}, head_dim={spec.head_dim}: with softcap, alibi or a score_mod a block_n=128 "
+                f"consumer thread needs {SCORE_REGISTERS} registers more than its {held} fp32 accumulators ({holds}), past "
+                f"the 192 that fit; use block_m=64 (at head_dim <= 64) or block_n=64 (the split layout)"
+            )
         if held > 192:
             raise SpecError(
                 f"block_m={spec.block_m}, head_dim={spec.head_dim}: a consumer thread would hold {held} fp32 "
