@@ -1,6 +1,6 @@
 """GPU probe of the Hopper backward's tiles for softcap and ALiBi, timed against each other in one
-process (T = 8192, B = 2, 16 heads, bf16, as `flashgen bench --variants`): at d = 64 the block_n =
-128 layout (64 x 128) against the split one (128 x 64), at d = 128 the split one, each next to the
+process (T = 8192, B = 2, 16 heads, bf16, as `flashgen bench --variants`): the block_n = 128
+layout (the plain tiles, and 64 x 128 at d = 64) against the split one (128 x 64), each next to the
 plain kernel on the same tiles (what the layout costs apart from the score) and to the plain
 kernel the tables pick ("vs plain bwd").
 
@@ -15,7 +15,7 @@ import flashgen
 from flashgen import bench, reference, tuning
 
 BATCH, HEADS, SEQLEN, CAP = 2, 16, 8192, 50.0
-TILES = {64: ((64, 128), (128, 64)), 128: ((128, 64),)}  # (block_m, block_n): block_n = 64 is the split layout
+TILES = {64: ((128, 128), (64, 128), (128, 64)), 128: ((64, 128), (128, 64))}  # (block_m, block_n): block_n = 64 is the split layout
 
 
 def inputs(head_dim, seqlen=SEQLEN, dtype=torch.bfloat16):

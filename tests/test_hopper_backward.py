@@ -88,6 +88,10 @@ def test_split_layout_renders_only_in_split_specs():
     assert not any(word in render(plain) for word in ("BAR_P_", "DO_STAGES", "dv_side", "SMEM_P "))
 
 
+SCORE_RULE = ScoreMod("score * 0.5f", lambda score, b, h, q_idx, kv_idx: score * 0.5, grad="0.5f")
+MASK_RULE = MaskMod("q_idx >= kv_idx", lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(head_dim=192), "head dims up to 128"),
     (dict(head_dim=128, block_m=128), "192 fit"),
@@ -97,7 +101,7 @@ def test_split_layout_renders_only_in_split_specs():
     (dict(head_dim=64, arch="sm_80"), "needs sm_90a"),
     (dict(head_dim=64, block_m=96), "block_m=96"),
     (dict(head_dim=64, block_m=128, softcap=True), "needs 16 registers more than its 192"),
-    (dict(head_dim=128, alibi=True), "needs 16 registers more than its 192"),
+    (dict(head_dim=128, score_mod=SCORE_RULE.source), "needs 16 registers more than its 192"),
     (dict(head_dim=64, block_n=64, score_mod=ScoreMod("score", lambda score, b, h, q_idx, kv_idx: score).source),
      "needs the rule's gradient"),
 ])
@@ -106,23 +110,20 @@ def test_refuses_what_it_cannot_run(fields, message):
         KernelSpec(**{"block_m": 64, "block_n": 128, "kind": "bwd_sm90_kvq", **fields})
 
 
-SCORE_RULE = ScoreMod("score * 0.5f", lambda score, b, h, q_idx, kv_idx: score * 0.5, grad="0.5f")
-MASK_RULE = MaskMod("q_idx >= kv_idx", lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
-
-
 @pytest.mark.parametrize("head_dim", (64, 128, 256))
 def test_score_variants_run_the_split_layout_and_windows_keep_theirs(head_dim):
-    """softcap, ALiBi and score rules take the Hopper backward at every head dim, in both modes: in
-    the block_n=128 layout at d = 64 (block_m=64, where its registers leave room), in the split one
-    above; a window alone keeps the plain tiles; a mask rule runs on mma.sync."""
+    """softcap and score rules take the Hopper backward at every head dim, in both modes: in the
+    block_n=128 layout at d = 64 (block_m=64, where its registers leave room), in the split one
+    above; a window or ALiBi alone keeps the plain tiles; a mask rule runs on mma.sync."""
     plain = tuning.backward_specs(head_dim, "bf16", True, "sm_90a", False)[0]
-    for variant in (("softcap",), ("alibi",), ("window", "softcap", "alibi"), (("score_mod", SCORE_RULE.source),)):
+    for variant in (("softcap",), ("window", "softcap", "alibi"), (("score_mod", SCORE_RULE.source),)):
         for deterministic in (False, True):
             first = tuning.backward_specs(head_dim, "bf16", True, "sm_90a", deterministic, variant=variant)[0]
             assert first.kind == ("bwd_sm90_kv" if deterministic else "bwd_sm90_kvq")
             assert first.family.split(first) == (head_dim > 64) and first.block_m == {64: 64, 128: 128, 256: 64}[head_dim]
-    window = tuning.backward_specs(head_dim, "bf16", True, "sm_90a", False, variant=("window",))[0]
-    assert (window.kind, window.block_m, window.block_n) == (plain.kind, plain.block_m, plain.block_n)
+    for variant in (("window",), ("alibi",), ("window", "alibi")):
+        chosen = tuning.backward_specs(head_dim, "bf16", True, "sm_90a", False, variant=variant)[0]
+        assert (chosen.kind, chosen.block_m, chosen.block_n) == (plain.kind, plain.block_m, plain.block_n)
     rule = tuning.backward_specs(head_dim, "bf16", True, "sm_90a", False, variant=(("mask_mod", MASK_RULE.source),))[0]
     assert not rule.kind.startswith("bwd_sm90")
 
@@ -136,7 +137,7 @@ def test_the_split_layout_hands_the_score_derivative_over():
     capped, alibi = render(base.replace(softcap=True)), render(base.replace(alibi=True))
     assert "handed[e] = p * grad;" in capped and "struct Score" in capped
     assert capped.index("named_sync(BAR_P_FREE, 256)") < capped.index("handed[e] = p * grad;")
-    assert "handed" not in alibi and "const float u = score(s[nt][e], m0 + col + (e & 1), key0 + (e / 2) * 8);" in alibi
+    assert "handed" not in alibi and "score.at_distance(s[nt][e], distance0 + float(nt * 8 + (e & 1) - (e / 2) * 8), unused)" in alibi
     assert "Score" not in render(base) and "softcap" not in render(base) and "alibi" not in render(base)
     whole = render(base.replace(block_n=128, head_dim=64, softcap=True))
     assert "dp[nt][e] = p * grad * (dp[nt][e]" in whole and "wgmma_wait<1>" not in whole.split("for (int step = 0;")[2]

@@ -58,8 +58,9 @@ from .hopper import _tensor_map
 PIECE = 64
 FRAGMENT = (8, 4, 8, 4, 2, 2)  # n8 tile, warp, lane / 4, lane % 4, row half, column
 MAX_STAGE_FLOATS = 64 * 128  # fp32 dQ staging per warpgroup: 32 KB
-# What the score piece (softcap, ALiBi, a score rule) takes beside the accumulators in the block_n=128
-# layout: past 192 accumulators its kernels spilled (CPU compile sweep, tests/test_variants.py).
+# What a score with a derivative (softcap, a score rule) takes beside the accumulators in the
+# block_n=128 layout: past 192 accumulators its kernels spilled (CPU compile sweep,
+# tests/test_variants.py). ALiBi alone (derivative 1, its distances in float) fits the plain tiles.
 SCORE_REGISTERS = 16
 
 
@@ -68,9 +69,10 @@ class HopperBackward(Family):
     template = "attention_bwd_sm90.cu.j2"
     # Variants: sliding windows (the mask alone) in both layouts; softcap, ALiBi and score rules in the
     # split one (block_n=64), where the warpgroup that computes P^T applies the score piece and hands
-    # P^T d(logit)/d(s) to the one that computes dS^T, and in the block_n=128 one where the registers
-    # leave room (SCORE_REGISTERS: head dims up to 64 with block_m=64), which then computes P^T and
-    # dS^T in one pass after both score products. Mask rules run on the mma.sync family.
+    # P^T d(logit)/d(s) to the one that computes dS^T, and in the block_n=128 one: ALiBi on any of its
+    # tiles, softcap and score rules where the registers leave room (SCORE_REGISTERS: head dims up to
+    # 64 with block_m=64), computing P^T and dS^T in one pass after both score products. Mask rules
+    # run on the mma.sync family.
     fields = ("head_dim", "block_m", "block_n", "dtype", "causal", "num_stages", "arch", "window", "softcap", "alibi",
               "score_mod")
     arguments = ("q", "k", "v", "d_o", "lse_log2", "delta", "dk", "dv", "dq_accum", "scale", *variants.ARGUMENTS)
@@ -121,9 +123,9 @@ class HopperBackward(Family):
                 )
             # dV and dK (pad / 2 each), S^T and dP^T (block_m / 2 each).
             held, holds = pad + spec.block_m, "dV, dK, S^T, dP^T"
-        if (spec.softcap or spec.alibi or spec.score_mod) and not self.split(spec) and held + SCORE_REGISTERS > 192:
+        if (spec.softcap or spec.score_mod) and not self.split(spec) and held + SCORE_REGISTERS > 192:
             raise SpecError(
-                f"block_m={spec.block_m}, head_dim={spec.head_dim}: with softcap, alibi or a score_mod a block_n=128 "
+                f"block_m={spec.block_m}, head_dim={spec.head_dim}: with softcap or a score_mod a block_n=128 "
                 f"consumer thread needs {SCORE_REGISTERS} registers more than its {held} fp32 accumulators ({holds}), past "
                 f"the 192 that fit; use block_m=64 (at head_dim <= 64) or block_n=64 (the split layout)"
             )
