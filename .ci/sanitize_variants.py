@@ -1,5 +1,6 @@
 """One small call of each new asynchronous path (the Hopper forward and backward with a window, the
-d = 256 backward layout, a mask rule's lists, a windowed decode step), for compute-sanitizer; then the
+d = 256 backward layout, softcap and ALiBi in the Hopper backward's layouts, a mask rule's lists, a
+windowed decode step), for compute-sanitizer; then the
 same calls again, bitwise equal. Usage (GPU): PYTHONPATH=. python3 .ci/sanitize_variants.py"""
 
 import sys
@@ -22,6 +23,14 @@ def calls():
         o = flashgen.attention(q, k, v, causal=True, window_size=window)
         o.sum().backward()
         out += [o, k.grad, v.grad]  # (dq is summed with atomics here: its last bits may move)
+    # softcap: the split layout's per-tile hand-over (d = 128) and the one-pass dS^T (d = 64); ALiBi on the plain tiles
+    slopes = torch.rand(2, device="cuda", generator=gen)
+    for head_dim, kwargs in ((128, {"softcap": 30.0}), (64, {"softcap": 30.0}), (128, {"alibi_slopes": slopes})):
+        q, k, v = (torch.randn(1, 2, 300, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+                   for _ in range(3))
+        o = flashgen.attention(q, k, v, causal=True, **kwargs)
+        o.sum().backward()
+        out += [o, k.grad, v.grad]
     q, k, v = (torch.randn(1, 2, 300, 64, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_() for _ in range(3))
     o = flashgen.attention(q, k, v, mask_mod=rules.prefix_lm(40), deterministic=True)
     o.sum().backward()
