@@ -9,11 +9,11 @@
 
 from __future__ import annotations
 
-from .. import modifiers, variants
+from .. import variants
 from ..params import Params, pointer, scalar, strides, tensor
 from ..smem import Region, SmemLayout
 from ..spec import KernelSpec, SpecError
-from .base import Family, MmaTiles
+from .base import Family, MmaTiles, check_backward_rule
 from .forward import PACKED, sequences
 
 # The prep writes lse and delta into buffers padded to whole tiles of this many rows, so the
@@ -81,8 +81,7 @@ class BackwardPrep(Family):
 class _BackwardTiles(MmaTiles):
     def check(self, spec: KernelSpec) -> None:
         super().check(spec)
-        if spec.score_mod and not modifiers.parse(spec.score_mod)["grad"]:
-            raise SpecError("score_mod: a backward kernel needs the rule's gradient (ScoreMod(..., grad=...))")
+        check_backward_rule(spec)
         if STATS_PAD % spec.block_m:
             raise SpecError(f"block_m={spec.block_m}: a backward kernel needs a divisor of {STATS_PAD}")
 

@@ -51,6 +51,12 @@ def modifier_context(spec: KernelSpec) -> dict:
     return context
 
 
+def check_backward_rule(spec: KernelSpec) -> None:
+    """A backward kernel's score rule must come with its gradient (dS takes d(score_mod)/d(score))."""
+    if spec.score_mod and not modifiers.parse(spec.score_mod)["grad"]:
+        raise SpecError("score_mod: a backward kernel needs the rule's gradient (ScoreMod(..., grad=...))")
+
+
 class Family:
     """One kind of kernel (or a few kinds that share a template)."""
 

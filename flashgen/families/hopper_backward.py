@@ -43,12 +43,12 @@ then comes from the query-major bwd_q pass, in a fixed order).
 
 from __future__ import annotations
 
-from .. import modifiers, variants
+from .. import variants
 from ..params import Params, pointer, scalar, tensormap
 from ..smem import Region, SmemLayout
 from ..spec import SMEM_LIMIT, KernelSpec, SpecError
 from .backward import STATS_PAD
-from .base import Family
+from .base import Family, check_backward_rule
 from .hopper import _tensor_map
 
 # dQ tiles leave a warpgroup in pieces of 64 query rows x 64 head-dim columns, each in the order
@@ -108,8 +108,7 @@ class HopperBackward(Family):
             raise SpecError(f"block_m={spec.block_m}: must be 64 or 128 (query rows per step, whole dQ pieces)")
         if spec.num_stages not in (2, 3):
             raise SpecError(f"num_stages={spec.num_stages}: must be 2 or 3 (Q and dO tiles in flight)")
-        if spec.score_mod and not modifiers.parse(spec.score_mod)["grad"]:
-            raise SpecError("score_mod: a backward kernel needs the rule's gradient (ScoreMod(..., grad=...))")
+        check_backward_rule(spec)
         pad = self.head_dim_pad(spec)
         if self.split(spec):
             # fp32 registers a consumer thread holds at once: its gradient (dV or dK, pad / 2) and its
