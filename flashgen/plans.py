@@ -133,12 +133,14 @@ def forward(device: int, head_dim: int, dtype: torch.dtype, causal: bool, seqlen
 
 def _sum_dq(specs: list[KernelSpec], scratch: list, steps: list) -> None:
     """Where a backward kernel adds dQ into an fp32 sum: the zeroed buffer in its family's layout,
-    and the last step, which reads the sum back into dq."""
+    and the last step, which reads the sum back into dq (on the host, or by its family's reader
+    kernel)."""
     adders = [spec for spec in specs if any(p.name == "dq_accum" for p in spec.family.params(spec).params)]
     if adders:
         spec = adders[0]
-        scratch.append(Scratch("dq_accum", lambda values: spec.family.dq_accum_shape(spec, values["q"].shape), zeroed=True))
-        steps.append(Convert(spec))
+        scratch.append(Scratch("dq_accum", lambda values: spec.family.dq_accum_shape(spec, values), zeroed=True))
+        reader = spec.family.dq_reader(spec)
+        steps.append(Launch(kernels.get(reader)) if reader else Convert(spec))
 
 
 def _stats(values: dict) -> tuple:

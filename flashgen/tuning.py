@@ -187,11 +187,10 @@ def tuned_spec(kind: str | None, head_dim: int, dtype: str, causal: bool, arch: 
     return _first_valid(kind, head_dim, dtype, causal, arch, variant=variant)
 
 
-def backward_kinds(head_dim: int, arch: str, deterministic: bool, varlen: bool = False, variant: tuple[str, ...] = ()) -> list[str]:
-    """The kinds of the backward kernels that run after the prep, in order (the Hopper family has
-    no varlen layout yet)."""
+def backward_kinds(head_dim: int, arch: str, deterministic: bool, variant: tuple[str, ...] = ()) -> list[str]:
+    """The kinds of the backward kernels that run after the prep, in order."""
     hopper = HOPPER_BACKWARD_KINDS[deterministic]
-    if arch == "sm_90a" and head_dim <= HOPPER_BACKWARD_HEAD_DIM and not varlen and all(takes(k, variant) for k in hopper):
+    if arch == "sm_90a" and head_dim <= HOPPER_BACKWARD_HEAD_DIM and all(takes(k, variant) for k in hopper):
         return hopper
     return BACKWARD_KINDS[(128 if head_dim <= 128 else 256, deterministic)]
 
@@ -199,7 +198,7 @@ def backward_kinds(head_dim: int, arch: str, deterministic: bool, varlen: bool =
 def backward_specs(head_dim: int, dtype: str, causal: bool, arch: str, deterministic: bool, varlen: bool = False,
                    variant: tuple[str, ...] = ()) -> list[KernelSpec]:
     """The backward kernels to run after the prep, in order."""
-    kinds = backward_kinds(head_dim, arch, deterministic, varlen, variant)
+    kinds = backward_kinds(head_dim, arch, deterministic, variant)
     return [_first_valid(kind, head_dim, dtype, causal, arch, varlen=varlen, variant=variant) for kind in kinds]
 
 
@@ -235,7 +234,8 @@ def shipped_varlen_specs(arch: str, head_dims=TEST_HEAD_DIMS) -> list[KernelSpec
                 specs += [forward_spec(head_dim, dtype, causal, arch, t, varlen=True) for t in (SHORT_QUERY, SHORT_QUERY + 1)]
                 specs.append(backward_prep(head_dim, dtype, arch, varlen=True))
                 for deterministic in (False, True):
-                    specs += backward_specs(head_dim, dtype, causal, arch, deterministic, varlen=True)
+                    picked = backward_specs(head_dim, dtype, causal, arch, deterministic, varlen=True)
+                    specs += picked + [reader for reader in (s.family.dq_reader(s) for s in picked) if reader]
     return list(dict.fromkeys(specs))
 
 

@@ -22,7 +22,8 @@ def test_sweep_covers_both_targets_and_every_kind():
     assert len(set(SHIPPED)) == len(SHIPPED)
     assert {spec.arch for spec in SHIPPED} == {"sm_90a", "sm_80"}
     assert {spec.head_dim for spec in SHIPPED if spec.kind != "block_mask"} == set(tuning.TEST_HEAD_DIMS)  # (its is unused)
-    assert {spec.kind for spec in SHIPPED} == set(flashgen.families.KINDS)
+    varlen_only = {"bwd_dq_sm90"}  # the varlen Hopper backward's dQ reader: tests/test_varlen.py compiles it
+    assert {spec.kind for spec in SHIPPED} == set(flashgen.families.KINDS) - varlen_only
 
 
 @pytest.mark.parametrize("spec", SHIPPED, ids=lambda spec: spec.name)

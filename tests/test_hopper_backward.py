@@ -151,7 +151,7 @@ def _kernel_accumulator(spec, dq: torch.Tensor) -> torch.Tensor:
     family = spec.family
     batch, heads, seqlen_q, head_dim = dq.shape
     pad = family.head_dim_pad(spec)
-    accum = torch.zeros(family.dq_accum_shape(spec, dq.shape))
+    accum = torch.zeros(family.dq_accum_shape(spec, {"q": dq}))
     tiles = -(-seqlen_q // spec.block_m)
     full = torch.zeros(batch, heads, tiles * spec.block_m, pad)
     full[:, :, :seqlen_q, :head_dim] = dq

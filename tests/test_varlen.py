@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from test_launch import PTX_TYPES, driver, stub_kernels, unpack  # noqa: F401  (fixtures)
+from test_launch import PTX_TYPES, driver, stub_kernels, stub_tensor_maps, unpack  # noqa: F401  (fixtures)
 
 import flashgen
 from flashgen import plans, tuning
@@ -22,7 +22,7 @@ from flashgen.render import render
 from flashgen.spec import SMEM_LIMIT, KernelSpec, SpecError
 
 # Every spec attention_varlen runs on the H200, and on sm_80 for the head dims test_compile covers.
-SHIPPED = tuning.shipped_varlen_specs("sm_90a") + tuning.shipped_varlen_specs("sm_80", head_dims=(64, 128))
+SHIPPED = tuning.shipped_varlen_specs("sm_90a") + tuning.shipped_varlen_specs("sm_80", head_dims=(64, 128, 256))
 FIXED = tuning.shipped_specs("sm_90a") + tuning.shipped_specs("sm_80", head_dims=(64, 128))
 
 
@@ -51,8 +51,7 @@ def test_mma_families_do_not_take_persistent():
 
 def test_shipped_varlen_specs_cover_every_family_on_both_targets():
     assert len(set(SHIPPED)) == len(SHIPPED) and all(spec.varlen for spec in SHIPPED)
-    no_varlen = {"bwd_sm90_kvq", "bwd_sm90_kv",  # the Hopper backward has no varlen layout yet
-                 "decode", "decode_paged", "combine", "merge", "merge_fp32",  # the serving kernels have their own
+    no_varlen = {"decode", "decode_paged", "combine", "merge", "merge_fp32",  # the serving kernels have their own
                  "block_mask"}  # user mask rules take fixed-length batches
     assert {spec.kind for spec in SHIPPED} == set(flashgen.families.KINDS) - no_varlen
     assert not any(spec.persistent for spec in SHIPPED)
@@ -62,10 +61,15 @@ def test_varlen_table_entries_change_no_fixed_length_choice():
     """The varlen entries of the tuning table match only varlen problems; where they are absent a
     varlen kernel takes the fixed-length tiles."""
     assert not any(spec.varlen for spec in FIXED)
-    fixed = tuning.backward_specs(64, "bf16", True, "sm_90a", deterministic=True)
-    varlen = tuning.backward_specs(64, "bf16", True, "sm_90a", deterministic=True, varlen=True)
+    fixed = tuning.backward_specs(64, "bf16", False, "sm_80", deterministic=True)
+    varlen = tuning.backward_specs(64, "bf16", False, "sm_80", deterministic=True, varlen=True)
     assert fixed[0].block_m == 128 and varlen[0].block_m == 64  # bwd_kv: the varlen entry's first tile
-    assert varlen[1] == fixed[1].replace(varlen=True)  # bwd_q: no varlen entry, the same tiles
+    causal = tuning.backward_specs(64, "bf16", True, "sm_80", deterministic=True)
+    assert tuning.backward_specs(64, "bf16", True, "sm_80", deterministic=True, varlen=True) == [
+        spec.replace(varlen=True) for spec in causal]  # no varlen entry: the same tiles
+    hopper = tuning.backward_specs(64, "bf16", True, "sm_90a", deterministic=False)
+    assert tuning.backward_specs(64, "bf16", True, "sm_90a", deterministic=False, varlen=True) == [
+        spec.replace(varlen=True) for spec in hopper]  # the Hopper backward takes varlen as it is
     entry = next(e for e in tuning.table()["entries"] if e.get("varlen"))
     assert tuning._matches(entry, {**entry, "arch": "sm_90a", "dtype": "bf16", "causal": False, "bucket": "short", "varlen": True})
     assert not tuning._matches(entry, {**entry, "arch": "sm_90a", "dtype": "bf16", "causal": False, "bucket": "short", "varlen": False})
@@ -107,7 +111,8 @@ def test_the_hopper_forward_offsets_its_maps_and_clips_partial_tiles():
         "block.q_start + tl.m0, tl.head, 0,",
         "if (block.tile >= num_m_blocks) return;",
         "if (wg_rows > 0 && wg_rows < 64) {",  # a partial tile: plain stores, rows before the end only
-        "if (r < wg_rows)",
+        "store_rows<HEAD_DIM>(o_ptr + block.q_rows(o_row, o_head, tl.head) + i64(wg_row) * o_row, o_row, o_s,",
+        "if (r < rows)",
         "if (wg_rows >= 64) {",  # only whole tiles go through TMA
         "block.q_start + wg_row, tl.head, 0);",
         "elem_t* __restrict__ o_ptr, i64 o_row, i64 o_head,",
@@ -124,6 +129,49 @@ def test_the_backward_kernels_read_statistics_by_sequence():
     assert "dq_accum + (i64(block.q_start + row) * q_heads + head) * HEAD_DIM" in kvq and "dst + row8 + j * 8" in kvq
     dq = render(tuning.tuned_spec("bwd_q", 128, "bf16", True, "sm_90a").replace(varlen=True))
     assert "block.stats_rows(block.head, padded_q) + m0" in dq and "if (block.tile >= m_blocks) return;" in dq
+
+
+@pytest.mark.parametrize("head_dim, block_n", [(128, 128), (256, 64)])  # the two layouts
+def test_the_hopper_backward_offsets_its_maps_masks_the_next_sequence_and_clips_partial_tiles(head_dim, block_n):
+    spec = KernelSpec(head_dim=head_dim, block_m=64, block_n=block_n, kind="bwd_sm90_kvq", varlen=True)
+    source = render(spec)
+    fixed = render(spec.replace(varlen=False))
+    for piece in (
+        "if (n0 >= seqlen_k) return;",  # past the sequence's end
+        "&k_map, c * 64, block.k_start + n0, kv_head, 0, smem + BAR_KV);",  # a batch of one, at the sequence's rows
+        "&q_map, c * 64, block.q_start + m0, head, 0, q_full);",
+        "const i64 stats_row = block.stats_rows(head, padded_q) + m0;",
+        "const i64 tile = (block.stats_rows(head, padded_q) + m0) / BLOCK_M;",  # dQ in the statistics' rows
+        "> seqlen_k;",  # a key tile that crosses the end is partial: the next sequence's keys are masked
+        "mask.outside(m0 + col + (e & 1), key0 + (e / 2) * 8)) p = 0.f;",
+        "store_rows<HEAD_DIM>(",  # its rows inside the sequence leave as plain stores
+        "elem_t* __restrict__ dk, elem_t* __restrict__ dv,\n    i64 dkv_row, i64 dkv_head,",
+    ):
+        assert piece in source and piece not in fixed, piece
+    assert "m_tiles" in fixed and "m_tiles" not in source
+    assert "mask.outside" not in render(spec.replace(varlen=False, causal=True))  # fixed length: zero rows past the end
+
+
+def test_the_varlen_hopper_backward_reads_its_dq_back_with_a_kernel(driver, stub_kernels, stub_tensor_maps):  # noqa: F811
+    heads, d = 2, 128
+    cu = torch.tensor([0, 100, 100, 357], dtype=torch.int32)
+    q = packed(cu, heads, d)
+    forward = KernelSpec(head_dim=d, block_m=128, block_n=128, kind="fwd_sm90", varlen=True, causal=True).canonical()
+    plan = plans.backward_varlen(-1, d, torch.bfloat16, True, False, forward)
+    assert [k.spec.kind for k in plan.kernels] == ["bwd_prep", "bwd_sm90_kvq", "bwd_dq_sm90"]
+    dq, dk, dv = (torch.empty_like(q) for _ in range(3))
+    values = dict(q=q, k=q, v=q, o=q, d_o=q, lse=torch.zeros(heads, len(q)), d_lse=None, dq=dq, dk=dk, dv=dv,
+                  scale=0.125, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=257, max_seqlen_k=257)
+    plan.run(-1, values)
+    padded_q = padded_varlen(len(q), 3)
+    assert values["dq_accum"].shape == (heads, padded_q * d) and values["delta"].shape == (heads, padded_q)
+    main, reader = (unpack(k.spec, launch["params"]) for k, launch in zip(plan.kernels[1:], driver.launches[1:]))
+    assert driver.launches[1]["grid"] == (-(-257 // 128), heads, 3)  # key tiles of the longest sequence
+    assert main["dq_accum"] == reader["dq_accum"] == values["dq_accum"].data_ptr()
+    assert reader["dq"] == dq.data_ptr() and reader["padded_q"] == padded_q and reader["total_q"] == len(q)
+    assert driver.launches[2]["grid"] == (-(-257 // 64), heads, 3)  # 64-row pieces of the longest sequence
+    with pytest.raises(SpecError, match="varlen=False: a bwd_dq_sm90 kernel reads back the varlen layout only"):
+        KernelSpec(head_dim=d, kind="bwd_dq_sm90")
 
 
 # ---- NVRTC ---------------------------------------------------------------------------------------------
@@ -196,13 +244,20 @@ def test_forward_launch_packs_offsets_totals_and_the_grid(driver):  # noqa: F811
 LOG2E = 1.4426950408889634
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_backward_plan_scratch_is_laid_out_by_sequence(driver, stub_kernels, deterministic):  # noqa: F811
+VARLEN_BACKWARD_KINDS = {  # (arch, deterministic) -> the kernels the plan runs
+    ("sm_80", False): ["bwd_prep", "bwd_kvq"], ("sm_80", True): ["bwd_prep", "bwd_kv", "bwd_q"],
+    ("sm_90a", False): ["bwd_prep", "bwd_sm90_kvq", "bwd_dq_sm90"], ("sm_90a", True): ["bwd_prep", "bwd_sm90_kv", "bwd_q"],
+}
+
+
+@pytest.mark.parametrize("arch, deterministic", VARLEN_BACKWARD_KINDS)
+def test_backward_plan_scratch_is_laid_out_by_sequence(driver, stub_kernels, stub_tensor_maps, arch, deterministic):  # noqa: F811
     heads, d = 3, 64
     cu = torch.tensor([0, 70_000, 70_001, 70_100], dtype=torch.int32)  # more rows than a grid's y or z
     q = packed(cu, heads, d)
     dq, dk, dv = (torch.empty_like(q) for _ in range(3))
-    plan = plans.backward_varlen(-1, d, torch.bfloat16, True, deterministic, KernelSpec(head_dim=d, causal=True, varlen=True).canonical())
+    forward = KernelSpec(head_dim=d, causal=True, varlen=True, arch=arch).canonical()
+    plan = plans.backward_varlen(-1, d, torch.bfloat16, True, deterministic, forward)
     values = dict(q=q, k=q, v=q, o=q, d_o=q, lse=torch.zeros(heads, len(q)), d_lse=None, dq=dq, dk=dk, dv=dv,
                   scale=0.125, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=70_000, max_seqlen_k=70_000)
     plan.run(-1, values)
@@ -214,9 +269,9 @@ def test_backward_plan_scratch_is_laid_out_by_sequence(driver, stub_kernels, det
     main = unpack(plan.kernels[1].spec, driver.launches[1]["params"])
     assert main["padded_q"] == values["delta"].shape[1] and main["total_q"] == len(q)
     kinds = [spec.kind for spec in (k.spec for k in plan.kernels)]
-    assert kinds == (["bwd_prep", "bwd_kv", "bwd_q"] if deterministic else ["bwd_prep", "bwd_kvq"])
+    assert kinds == VARLEN_BACKWARD_KINDS[arch, deterministic]
     assert all(spec.varlen for spec in (k.spec for k in plan.kernels))
-    if not deterministic:
+    if not deterministic and arch == "sm_80":  # the key-major sum is laid out like q and cast at the end
         assert values["dq_accum"].shape == q.shape and isinstance(plan.steps[-1], plans.Convert)
 
 

@@ -10,10 +10,10 @@ from .blockmask import BlockMaskStates
 from .decode import DecodeAttention, MergeStates, MergeStatesFp32
 from .forward import MmaForward
 from .hopper import HopperForward
-from .hopper_backward import HopperBackward
+from .hopper_backward import HopperBackward, HopperDqReader
 
 FAMILIES: tuple[Family, ...] = (
-    MmaForward(), HopperForward(), KeyMajorBackward(), QueryMajorBackward(), BackwardPrep(), HopperBackward(),
+    MmaForward(), HopperForward(), KeyMajorBackward(), QueryMajorBackward(), BackwardPrep(), HopperBackward(), HopperDqReader(),
     DecodeAttention(), MergeStates(), MergeStatesFp32(), BlockMaskStates(),
 )
 BY_KIND: dict[str, Family] = {kind: family for family in FAMILIES for kind in family.kinds}

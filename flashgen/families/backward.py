@@ -191,8 +191,8 @@ class KeyMajorBackward(_BackwardTiles):
 
     # ---- the dQ accumulator (kinds with a "q"): q's shape, fp32, read back as it is ---------------
 
-    def dq_accum_shape(self, spec: KernelSpec, q_shape) -> tuple:
-        return tuple(q_shape)
+    def dq_accum_shape(self, spec: KernelSpec, values: dict) -> tuple:
+        return tuple(values["q"].shape)
 
     def dq_from_accum(self, spec: KernelSpec, accum, dq) -> None:
         dq.copy_(accum)

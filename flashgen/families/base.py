@@ -125,6 +125,11 @@ class Family:
         """The grid (x, y, z) as an expression over the arguments: x counts tiles, y heads, z batches."""
         raise NotImplementedError
 
+    def dq_reader(self, spec: KernelSpec) -> KernelSpec | None:
+        """A kernel adding dQ into an fp32 sum (a dq_accum parameter): the kernel that reads the sum
+        back into dq, or None where the family's dq_from_accum does it on the host."""
+        return None
+
     def context(self, spec: KernelSpec) -> dict:
         """Everything the template may use: the spec's fields and what is derived from them."""
         return {

@@ -21,9 +21,10 @@ Two ways to split the work between the consumer warpgroups, chosen by block_n:
   registers setmaxnreg gives at d = 256. P^T passes from the first warpgroup to the second through
   shared memory in fp32, in the accumulator's fragment order (thread t reads back exactly what
   thread t of the other warpgroup wrote, so dS comes from the same fp32 P as with block_n=128),
-  with named barriers as the handshake (P_FULL / P_FREE, and DS_FULL / DS_FREE for the dS^T tile the
-  second warpgroup writes for dQ). The dQ pieces (64 queries x 64 columns) alternate between the
-  warpgroups; each stages one piece at a time (16 KB) for its bulk reduction.
+  with mbarriers as the handshake (P_FULL / P_EMPTY; named barriers DS_FULL / DS_FREE for the dS^T
+  tile the second warpgroup writes for dQ, which the first reads only through wgmma). The dQ pieces
+  (64 queries x 64 columns) alternate between the warpgroups; each stages one piece at a time
+  (16 KB) for its bulk reduction.
   Why this split: the register file bounds the keys per block, since dK and dV of BLOCK_N keys take
   2 * BLOCK_N * head_dim fp32 registers in the CTA (32 K of the 64 K at d = 256, BLOCK_N = 64);
   FlashAttention-3 too runs 64 x 80 at d = 256 and 64 x 96 with three warpgroups at d = 192. It
@@ -39,16 +40,24 @@ Two ways to split the work between the consumer warpgroups, chosen by block_n:
 
 Kinds: bwd_sm90_kvq writes dK, dV and dQ; bwd_sm90_kv writes dK and dV (deterministic mode: dQ
 then comes from the query-major bwd_q pass, in a fixed order).
+
+Varlen (attention_varlen's packed sequences): the tensor maps see the packed tensors as a batch of
+one and each sequence's rows at its offset (block_info). A tile past a sequence's end loads the
+next sequence's rows: its queries add nothing (their lse is +inf from the prep, so P = 0), its keys
+are masked like the causal diagonal, and its dK and dV rows leave as plain stores of the rows
+inside the sequence. dQ sums into the statistics' padded rows ([heads, padded_q], every sequence
+on whole tiles), which bwd_dq_sm90 reads back into the packed dq.
 """
 
 from __future__ import annotations
 
 from .. import variants
-from ..params import Params, pointer, scalar, tensormap
+from ..params import Params, pointer, scalar, strides, tensor, tensormap
 from ..smem import Region, SmemLayout
 from ..spec import SMEM_LIMIT, KernelSpec, SpecError
-from .backward import STATS_PAD
+from .backward import STATS_PAD, padded_varlen
 from .base import Family, check_backward_rule
+from .forward import PACKED, sequences
 from .hopper import _tensor_map
 
 # dQ tiles leave a warpgroup in pieces of 64 query rows x 64 head-dim columns, each in the order
@@ -73,9 +82,10 @@ class HopperBackward(Family):
     # tiles, softcap and score rules where the registers leave room (SCORE_REGISTERS: head dims up to
     # 64 with block_m=64), computing P^T and dS^T in one pass after both score products. Mask rules
     # run on the mma.sync family.
-    fields = ("head_dim", "block_m", "block_n", "dtype", "causal", "num_stages", "arch", "window", "softcap", "alibi",
-              "score_mod")
-    arguments = ("q", "k", "v", "d_o", "lse_log2", "delta", "dk", "dv", "dq_accum", "scale", *variants.ARGUMENTS)
+    fields = ("head_dim", "block_m", "block_n", "dtype", "causal", "num_stages", "arch", "varlen", "window", "softcap",
+              "alibi", "score_mod")
+    arguments = ("q", "k", "v", "d_o", "lse_log2", "delta", "dk", "dv", "dq_accum", "scale", "cu_seqlens_q", "cu_seqlens_k",
+                 "max_seqlen_k", *variants.ARGUMENTS)
     tune_space = {"block_m": (64, 128), "block_n": (64, 128), "num_stages": (2, 3)}
 
     @staticmethod
@@ -170,7 +180,7 @@ class HopperBackward(Family):
                     Region("ds", 64 * spec.block_m * 2, align=1024),  # dS^T, [64 keys][BLOCK_M]
                     Region("dq", self.consumers(spec) * PIECE * PIECE * 4, align=128),  # one fp32 dQ piece each
                 ]
-            regions.append(Region("bar", 8 * (1 + 2 * spec.num_stages + 2 * do_stages), align=8))
+            regions.append(Region("bar", 8 * (3 + 2 * spec.num_stages + 2 * do_stages), align=8))  # and P^T's two
             return SmemLayout(regions)
         if self.has_dq(spec):
             consumers = self.consumers(spec)
@@ -182,43 +192,71 @@ class HopperBackward(Family):
         return SmemLayout(regions)
 
     def params(self, spec: KernelSpec) -> Params:
-        outputs = [pointer("dq_accum", "float*")] if self.has_dq(spec) else []  # dq_layout(); zeroed
-        return Params(self.arguments, [
+        outputs = [pointer("dq_accum", "float*")] if self.has_dq(spec) else []  # dq_accum_shape(); zeroed
+        maps = [
             tensormap("q_map", f"tensor_map(q, {spec.block_m})"),
             tensormap("k_map", f"tensor_map(k, {spec.block_n})"),
             tensormap("v_map", f"tensor_map(v, {spec.block_n})"),
             tensormap("do_map", f"tensor_map(d_o, {spec.block_m})"),
             tensormap("dk_map", "tensor_map(dk, 64)"),
             tensormap("dv_map", "tensor_map(dv, 64)"),
+        ]
+        common = [
+            scalar("kv_group", "int", "q.shape[1] // k.shape[1]"),
+            scalar("scale", "float"),
+            scalar("scale_log2", "float", variants.scale_log2(spec)),
+            *variants.params(spec),
+        ]
+        if spec.varlen:  # packed tensors; a sequence's last dK and dV rows may leave as plain stores
+            return Params(self.arguments, [
+                *maps,
+                pointer("dk", "elem_t*"), pointer("dv", "elem_t*"), *strides("dkv", "dk", dims=PACKED),
+                pointer("lse_log2", "const float*"), pointer("delta", "const float*"),  # [heads, padded_q]
+                *outputs, *sequences(),
+                scalar("padded_q", "int", "delta.shape[1]"),
+                *common,
+            ])
+        return Params(self.arguments, [
+            *maps,
             pointer("lse_log2", "const float*"), pointer("delta", "const float*"),  # [batch, heads, padded_q]
             *outputs,
             scalar("seqlen_q", "int", "q.shape[2]"),
             scalar("seqlen_k", "int", "k.shape[2]"),
             scalar("padded_q", "int", "delta.shape[2]"),
-            scalar("kv_group", "int", "q.shape[1] // k.shape[1]"),
-            scalar("scale", "float"),
-            scalar("scale_log2", "float", variants.scale_log2(spec)),
-            *variants.params(spec),
+            *common,
         ])
 
     def helpers(self, spec: KernelSpec) -> dict:
         return {**super().helpers(spec), "tensor_map": _tensor_map}
 
     def grid(self, spec: KernelSpec) -> str:
+        if spec.varlen:  # key tiles of the longest sequence, key/value heads, sequences
+            return f"(-(-max_seqlen_k // {spec.block_n}), k.shape[1], cu_seqlens_k.shape[0] - 1)"
         return f"(-(-k.shape[2] // {spec.block_n}), k.shape[1], k.shape[0])"
 
     def context(self, spec: KernelSpec) -> dict:
-        return {**super().context(spec), "wgmma": True, "has_dq": self.has_dq(spec),
+        return {**super().context(spec), "wgmma": True, "has_dq": self.has_dq(spec), "stats_pad": STATS_PAD,
                 "head_dim_pad": self.head_dim_pad(spec), "split": self.split(spec), "do_stages": self.do_stages(spec)}
 
     # ---- the dQ accumulator --------------------------------------------------------------------
 
-    def dq_accum_shape(self, spec: KernelSpec, q_shape) -> tuple:
+    def dq_accum_shape(self, spec: KernelSpec, values: dict) -> tuple:
         """(batch, heads, floats): per query tile of BLOCK_M rows, its 64 x 64 pieces in row-major
-        piece order, each in fragment order (FRAGMENT)."""
-        batch, heads, seqlen_q, _ = q_shape
+        piece order, each in fragment order (FRAGMENT). Varlen: (heads, floats), the same over the
+        statistics' padded rows (each sequence at block_info's stats_rows)."""
+        if spec.varlen:
+            total_q, heads, _ = values["q"].shape
+            return heads, padded_varlen(total_q, values["cu_seqlens_q"].shape[0] - 1) * self.head_dim_pad(spec)
+        batch, heads, seqlen_q, _ = values["q"].shape
         tiles = -(-seqlen_q // spec.block_m)
         return batch, heads, tiles * spec.block_m * self.head_dim_pad(spec)
+
+    def dq_reader(self, spec: KernelSpec) -> KernelSpec | None:
+        """Varlen: bwd_dq_sm90, since a sequence's rows sit at an offset of their own in the padded
+        rows, which no view expresses; fixed length: None (dq_from_accum, one strided copy)."""
+        if spec.varlen:
+            return KernelSpec(kind="bwd_dq_sm90", head_dim=spec.head_dim, dtype=spec.dtype, arch=spec.arch, varlen=True)
+        return None
 
     def dq_from_accum(self, spec: KernelSpec, accum, dq) -> None:
         """dq = the accumulator read back in (row, column) order."""
@@ -233,3 +271,39 @@ class HopperBackward(Family):
             dq.view(batch, heads, tiles, row_pieces, 4, 2, 8, col_pieces, 8, 4, 2).copy_(ordered)
         else:
             dq.copy_(ordered.reshape(batch, heads, tiles * spec.block_m, pad)[:, :, :seqlen_q, :head_dim])
+
+
+class HopperDqReader(Family):
+    """bwd_dq_sm90: the varlen Hopper backward's dQ sum ([heads, padded_q] rows in FRAGMENT order)
+    read back into the packed dq ([total_q, heads, head_dim]) in its dtype. One block per 64 rows
+    of a sequence and query head; each thread reads 16 consecutive floats (a warp 2 KB) and writes
+    two rows' 8 columns as 16-byte stores."""
+
+    kinds = ("bwd_dq_sm90",)
+    template = "attention_bwd_dq_sm90.cu.j2"
+    fields = ("head_dim", "dtype", "arch", "varlen")
+    arguments = ("dq_accum", "dq", "cu_seqlens_q", "max_seqlen_q")
+
+    def check(self, spec: KernelSpec) -> None:
+        if not spec.varlen:
+            raise SpecError("varlen=False: a bwd_dq_sm90 kernel reads back the varlen layout only "
+                            "(fixed-length sums are read back on the host, HopperBackward.dq_from_accum)")
+
+    def threads(self, spec: KernelSpec) -> int:
+        return 256
+
+    def params(self, spec: KernelSpec) -> Params:
+        return Params(self.arguments, [
+            pointer("dq_accum", "const float*"),
+            *tensor("dq", const=False, dims=PACKED),
+            pointer("cu_seqlens_q", "const int*"),
+            scalar("total_q", "int", "dq.shape[0]"),
+            scalar("padded_q", "int", f"dq_accum.shape[1] // {HopperBackward.head_dim_pad(spec)}"),
+        ])
+
+    def grid(self, spec: KernelSpec) -> str:  # 64-row pieces of the longest sequence, heads, sequences
+        return "(-(-max_seqlen_q // 64), dq.shape[1], cu_seqlens_q.shape[0] - 1)"
+
+    def context(self, spec: KernelSpec) -> dict:
+        return {**super().context(spec), "stats_pad": STATS_PAD, "keys": False,
+                "head_dim_pad": HopperBackward.head_dim_pad(spec)}
