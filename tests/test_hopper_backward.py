@@ -96,8 +96,8 @@ MASK_RULE = MaskMod("q_idx >= kv_idx", lambda b, h, q_idx, kv_idx: q_idx >= kv_i
     (dict(head_dim=192), "head dims up to 128"),
     (dict(head_dim=128, block_m=128), "192 fit"),
     (dict(head_dim=64, block_n=96), "block_n=96"),
-    (dict(head_dim=256, block_n=64, num_stages=3), "needs 256072 bytes of shared memory"),
-    (dict(head_dim=192, block_n=64, block_m=128), "needs 281656 bytes of shared memory"),
+    (dict(head_dim=256, block_n=64, num_stages=3), "needs 256088 bytes of shared memory"),
+    (dict(head_dim=192, block_n=64, block_m=128), "needs 281672 bytes of shared memory"),
     (dict(head_dim=64, arch="sm_80"), "needs sm_90a"),
     (dict(head_dim=64, block_m=96), "block_m=96"),
     (dict(head_dim=64, block_m=128, softcap=True), "needs 16 registers more than its 192"),
@@ -130,13 +130,15 @@ def test_score_variants_run_the_split_layout_and_windows_keep_theirs(head_dim):
 
 def test_the_split_layout_hands_the_score_derivative_over():
     """With softcap (a derivative) warpgroup 1 hands P^T d(logit)/d(s) to warpgroup 2, tile by tile
-    after the P_FREE handshake; with ALiBi (derivative 1) it hands P^T itself; a plain spec renders
-    no score piece. The block_n=128 layout puts the derivative into dS^T in the pass that makes P^T,
-    after both score products."""
+    once warpgroup 2 has released the last step's (the P_EMPTY mbarrier); with ALiBi (derivative 1) it
+    hands P^T itself; a plain spec renders no score piece. The block_n=128 layout puts the derivative
+    into dS^T in the pass that makes P^T, after both score products."""
     base = KernelSpec(kind="bwd_sm90_kvq", head_dim=128, block_m=64, block_n=64, causal=True)
     capped, alibi = render(base.replace(softcap=True)), render(base.replace(alibi=True))
     assert "handed[e] = p * grad;" in capped and "struct Score" in capped
-    assert capped.index("named_sync(BAR_P_FREE, 256)") < capped.index("handed[e] = p * grad;")
+    assert capped.index("if (step > 0) mbar_wait(smem + BAR_P_EMPTY, (step - 1) & 1);") < capped.index("handed[e] = p * grad;")
+    assert capped.index("mbar_arrive(smem + BAR_P_FULL);") > capped.index("handed[e] = p * grad;")
+    assert "mbar_wait(smem + BAR_P_FULL, step & 1);" in capped and "BAR_P_FREE" not in capped
     assert "handed" not in alibi and "score.at_distance(s[nt][e], distance0 + float(nt * 8 + (e & 1) - (e / 2) * 8), unused)" in alibi
     assert "Score" not in render(base) and "softcap" not in render(base) and "alibi" not in render(base)
     whole = render(base.replace(block_n=128, head_dim=64, softcap=True))

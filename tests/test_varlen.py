@@ -505,6 +505,8 @@ def test_variant_plans_pick_the_variant_kernels_and_pack_their_values(driver, st
     assert got["softcap_scale"] == pytest.approx(0.125 / 5.0) and got["scale_log2"] == pytest.approx(5.0 * LOG2E)
     assert got["alibi_slopes"] == slopes.data_ptr() and got["alibi_batch_stride"] == 4 and got["alibi_scale"] == pytest.approx(0.2)
     backward = plans.backward_varlen(-1, 64, torch.bfloat16, True, False, spec.canonical(), ("window", "alibi"))
-    assert all(k.spec.window and k.spec.alibi and not k.spec.softcap for k in backward.kernels if k.spec.kind != "bwd_prep")
+    assert all(k.spec.window and k.spec.alibi and not k.spec.softcap for k in backward.kernels
+               if k.spec.kind not in ("bwd_prep", "bwd_dq_sm90"))  # (the prep and the dQ reader read no scores)
+    assert [k.spec.kind for k in backward.kernels] == ["bwd_prep", "bwd_sm90_kvq", "bwd_dq_sm90"]
     long = plans.forward_varlen(-1, 64, torch.bfloat16, True, 4000, "", ("window",)).kernels[0].spec
     assert long.kind == "fwd_sm90" and long.varlen and long.window
