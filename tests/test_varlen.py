@@ -194,6 +194,8 @@ ONE_OF_EACH_KIND = [
     *(tuning.tuned_spec(kind, 128, "bf16", True, "sm_90a").replace(varlen=True) for kind in ("bwd_kvq", "bwd_kv", "bwd_q")),
     *(tuning.tuned_spec(kind, 256, "bf16", False, "sm_90a").replace(varlen=True) for kind in ("bwd_v", "bwd_kq")),
     tuning.tuned_spec("bwd_kvq", 64, "bf16", False, "sm_80").replace(varlen=True),
+    *(tuning.tuned_spec(kind, d, "bf16", True, "sm_90a").replace(varlen=True) for kind, d in (("bwd_sm90_kvq", 128), ("bwd_sm90_kv", 256))),
+    KernelSpec(head_dim=80, dtype="fp16", kind="bwd_dq_sm90", varlen=True),
 ]
 
 
@@ -206,6 +208,17 @@ def test_parameter_list_matches_the_compiled_kernel(spec):
     assert [(ptype, size) for ptype, _, size in compiled] == [
         (PTX_TYPES[p.kind], "") if p.kind != "tensormap" else (".align 64 .b8", "[128]") for p in params
     ]
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])  # the two layouts
+def test_the_hopper_backward_still_holds_the_hopper_instructions(head_dim):
+    spec = tuning.tuned_spec("bwd_sm90_kvq", head_dim, "bf16", True, "sm_90a").replace(varlen=True)
+    ptx = compile_ptx(spec, render(spec)).decode()
+    for instruction in ("wgmma.mma_async.sync.aligned", "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier",
+                        "cp.async.bulk.tensor.4d.global.shared::cta", "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32",
+                        "setmaxnreg.inc", "ld.shared.v4.u32"):  # (the last: a tail tile's plain stores of dK and dV)
+        assert instruction in ptx, instruction
+    assert "ld.local" not in ptx and "mma.sync" not in ptx
 
 
 def test_the_hopper_forward_still_holds_the_hopper_instructions():
