@@ -163,7 +163,13 @@ def forward_spec(head_dim: int, dtype: str, causal: bool, arch: str, seqlen_q: i
     """The forward kernel for a problem: the Hopper family on sm_90a, unless the query is short
     (varlen: the longest sequence's query) or the family does not build the variant."""
     if arch == "sm_90a" and not query_bucket(seqlen_q) and takes("fwd_sm90", variant):
-        return _first_valid("fwd_sm90", head_dim, dtype, causal, arch, "long", varlen, variant)
+        try:
+            return _first_valid("fwd_sm90", head_dim, dtype, causal, arch, "long", varlen, variant)
+        except SpecError:
+            if not variant:
+                raise
+            # no Hopper tile shape has registers for this variant (every rule and variant at once,
+            # at the largest head dims): the mma.sync family runs it
     return mma_forward_spec(head_dim, dtype, causal, arch, seqlen_q, varlen, variant)
 
 

@@ -177,3 +177,47 @@ def test_a_rule_without_gradient_runs_forward_only():
     check(q, k, v, score_mod=rule, grad=False)
     with pytest.raises(Exception, match="grad"):
         flashgen.attention(q.requires_grad_(), k, v, score_mod=rule).sum().backward()
+
+
+def per_head_band(heads):
+    """A per-head rule: head h sees the keys within 40 (h + 1) positions of the query, so the query
+    heads that share a KV head walk different tile lists."""
+    return MaskMod("abs(q_idx - kv_idx) < 40 * (h + 1)", lambda b, h, q_idx, kv_idx: (q_idx - kv_idx).abs() < 40 * (h + 1))
+
+
+@pytest.mark.parametrize("head_dim, block_n", [(64, 128), (128, 128), (128, 64)], ids=["d64", "d128", "d128-split"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
+def test_a_per_head_rule_over_gqa_groups_on_the_hopper_kernels(head_dim, block_n, deterministic):
+    """The Hopper backward locates each step in its own head's list (the heads of a group differ)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernels need sm_90a")
+    from flashgen import tuning
+
+    kind = "bwd_sm90_kv" if deterministic else "bwd_sm90_kvq"
+    entry = {"kind": kind, "arch": "sm_90a", "head_dim": head_dim, "dtype": "*", "causal": "*", "bucket": "*",
+             "variant": True, "tiles": [{"block_m": 64, "block_n": block_n, "num_stages": 2}]}
+    q, k, v = make_qkv(2, 8, 2, 700, 900, head_dim, torch.bfloat16, seed=head_dim + block_n)
+    rule = per_head_band(8)
+    with tuning.override([entry]):
+        fwd = tuning.forward_spec(head_dim, "bf16", False, "sm_90a", 700, variant=(("mask_mod", rule.source),))
+        bwd = tuning.backward_specs(head_dim, "bf16", False, "sm_90a", deterministic, variant=(("mask_mod", rule.source),))
+        assert fwd.kind == "fwd_sm90" and (bwd[0].kind, bwd[0].block_n) == (kind, block_n)
+        check(q, k, v, mask_mod=rule, deterministic=deterministic)
+        check(q, k, v, causal=True, mask_mod=rule, deterministic=deterministic)
+
+
+def test_a_rule_on_the_persistent_hopper_forward():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernels need sm_90a")
+    from flashgen import tuning
+
+    entry = {"kind": "fwd_sm90", "arch": "sm_90a", "head_dim": 128, "dtype": "*", "causal": "*", "bucket": "*",
+             "variant": True, "tiles": [{"block_m": 128, "block_n": 128, "num_stages": 2, "persistent": True}]}
+    q, k, v = make_qkv(3, 4, 2, 1000, 1000, 128, torch.bfloat16, seed=11)
+    doc = torch.randint(0, 4, (3, 1000), device="cuda", dtype=torch.int32).sort(dim=1).values
+    with tuning.override([entry]):
+        rule = document_rule(doc)
+        assert tuning.forward_spec(128, "bf16", True, "sm_90a", 1000, variant=(("mask_mod", rule.source),)).persistent
+        check(q, k, v, causal=True, mask_mod=rule, grad=False)
+        check(q, k, v, causal=True, mask_mod=per_head_band(4), score_mod=rules.relative_bias(torch.randn(4, 255, device="cuda")),
+              grad=False)

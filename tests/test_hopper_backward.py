@@ -114,7 +114,8 @@ def test_refuses_what_it_cannot_run(fields, message):
 def test_score_variants_run_the_split_layout_and_windows_keep_theirs(head_dim):
     """softcap and score rules take the Hopper backward at every head dim, in both modes: in the
     block_n=128 layout at d = 64 (block_m=64, where its registers leave room), in the split one
-    above; a window or ALiBi alone keeps the plain tiles; a mask rule runs on mma.sync."""
+    above; a window or ALiBi alone keeps the plain tiles; a mask rule takes the block_n=128 layout
+    with 64 queries a step (at 128 its per-element test spilled at d = 64) up to d = 128."""
     plain = tuning.backward_specs(head_dim, "bf16", True, "sm_90a", False)[0]
     for variant in (("softcap",), ("window", "softcap", "alibi"), (("score_mod", SCORE_RULE.source),)):
         for deterministic in (False, True):
@@ -124,8 +125,27 @@ def test_score_variants_run_the_split_layout_and_windows_keep_theirs(head_dim):
     for variant in (("window",), ("alibi",), ("window", "alibi")):
         chosen = tuning.backward_specs(head_dim, "bf16", True, "sm_90a", False, variant=variant)[0]
         assert (chosen.kind, chosen.block_m, chosen.block_n) == (plain.kind, plain.block_m, plain.block_n)
-    rule = tuning.backward_specs(head_dim, "bf16", True, "sm_90a", False, variant=(("mask_mod", MASK_RULE.source),))[0]
-    assert not rule.kind.startswith("bwd_sm90")
+    for deterministic in (False, True):
+        rule = tuning.backward_specs(head_dim, "bf16", True, "sm_90a", deterministic, variant=(("mask_mod", MASK_RULE.source),))
+        assert rule[0].kind == ("bwd_sm90_kv" if deterministic else "bwd_sm90_kvq")
+        assert (rule[0].block_m, rule[0].block_n) == ((64, 128) if head_dim <= 128 else (64, 64))
+        assert [s.kind for s in rule[1:]] == (["bwd_q"] if deterministic else [])
+
+
+def test_the_hopper_backward_walks_a_mask_rules_lists_per_key_tile():
+    """Steps come from the key-major lists (per query head of the group: a rule may read h); the
+    rule's per-element test runs in tiles the lists do not mark full; a plain spec has none of it."""
+    spec = tuning.backward_specs(128, "bf16", False, "sm_90a", False, variant=(("mask_mod", MASK_RULE.source),))[0]
+    source = render(spec)
+    assert "for (int g = 0; g < kv_group; ++g) steps += listed(kv_head * kv_group + g).tiles(n_block);" in source
+    assert source.count("locate(step, head, m0);") == 2  # the producer and the consumers
+    assert "const bool partial = !listed(head).full(n_block, m0 / BLOCK_M);" in source
+    assert "rule.hides(batch, head, m0 + col + (e & 1), key0 + (e / 2) * 8)" in source
+    assert "bm_count" in spec.family.params(spec).signature()
+    split = render(spec.replace(block_m=128, block_n=64))
+    assert split.count("locate(step, head, m0);") == 2 and split.count("rule.hides(") == 1  # the P^T side tests
+    plain = render(spec.replace(mask_mod=""))
+    assert "locate" not in plain and "rule" not in plain.split('extern "C"')[1] and "BlockMask" not in plain
 
 
 def test_the_split_layout_hands_the_score_derivative_over():

@@ -11,6 +11,7 @@ from flashgen import MaskMod, ScoreMod, modifiers, tuning
 from flashgen.blockmask import BlockMasks
 from flashgen.reference import naive_attention
 from flashgen.render import render
+from flashgen.spec import KernelSpec, SpecError
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 import rules  # noqa: E402
@@ -47,10 +48,34 @@ def test_the_rule_renders_as_a_struct_with_its_tensors():
     rule = rules.documents(torch.zeros(2, 10, dtype=torch.int32))
     text = modifiers.struct("mask_mod", rule.source)
     assert "const int* __restrict__ doc;" in text and "doc[b * 10 + q_idx] == doc[b * 10 + kv_idx]" in text
-    spec = tuning.forward_spec(64, "bf16", True, "sm_90a", 4096, variant=(("mask_mod", rule.source),))
+    # both forward families build rules: the Hopper one for long queries, mma.sync for short ones
+    for seqlen_q, kind in ((4096, "fwd_sm90"), (64, "fwd")):
+        spec = tuning.forward_spec(64, "bf16", True, "sm_90a", seqlen_q, variant=(("mask_mod", rule.source),))
+        source = render(spec)
+        assert "const int* __restrict__ mmod_doc" in source and "struct BlockMask" in source and "rule.hides" in source
+        assert spec.kind == kind
+
+
+def test_the_hopper_forward_walks_the_block_mask_lists():
+    """Producer and consumers take a rule's key tiles from the lists; a plain spec keeps the mask's range."""
+    rule = rules.prefix_lm(100)
+    spec = tuning.forward_spec(128, "bf16", False, "sm_90a", 4096, variant=(("mask_mod", rule.source),))
     source = render(spec)
-    assert "const int* __restrict__ mmod_doc" in source and "struct BlockMask" in source and "rule.hides" in source
-    assert spec.kind == "fwd"  # the mma.sync family builds rules
+    assert spec.kind == "fwd_sm90" and "t.n_tiles = blocks.tiles(m_block);" in source
+    assert "__ldg(listed + n_tiles - 1 - it)" in source and "tl.full(n0 / BLOCK_N)" in source
+    plain = render(spec.replace(mask_mod=""))
+    assert "BlockMask" not in plain and "rule" not in plain.split("extern \"C\"")[1]
+    assert "t.n_tiles = mask.key_end(t.m0, BLOCK_M, BLOCK_N) - t.n_begin;" in plain
+
+
+def test_rules_the_hopper_forward_has_no_registers_for_fall_back_to_mma_sync():
+    """Every rule and variant at once at d = 256: no Hopper tile shape fits them; mma.sync runs it."""
+    fields = ("window", "softcap", "alibi", ("mask_mod", rules.prefix_lm(3).source),
+              ("score_mod", rules.relative_bias(torch.zeros(2, 9)).source))
+    assert tuning.forward_spec(256, "bf16", True, "sm_90a", 4096, variant=fields).kind == "fwd"
+    assert tuning.forward_spec(128, "bf16", True, "sm_90a", 4096, variant=fields).kind == "fwd_sm90"
+    with pytest.raises(SpecError, match="for the rules and variants"):
+        KernelSpec(kind="fwd_sm90", head_dim=64, block_m=192, block_n=112, arch="sm_90a", score_mod=fields[4][1])
 
 
 def test_a_score_rule_without_gradient_has_no_backward():

@@ -51,6 +51,19 @@ def modifier_context(spec: KernelSpec) -> dict:
     return context
 
 
+def block_mask_lists(key_major: bool) -> dict:
+    """The template context of a mask rule's block mask lists (templates/block_mask.cuh.j2): per
+    query tile its key tiles, or per key tile (key_major) its query tiles."""
+    query_tiles, key_tiles = "(seqlen_q + BLOCK_M - 1) / BLOCK_M", "(seqlen_k + BLOCK_N - 1) / BLOCK_N"
+    return {"list_key_major": key_major, "list_rows": key_tiles if key_major else query_tiles,
+            "list_width": query_tiles if key_major else key_tiles}
+
+
+def check_rules_fixed_length(spec: KernelSpec) -> None:
+    if spec.varlen and (spec.score_mod or spec.mask_mod):
+        raise SpecError("score_mod / mask_mod with varlen=True: the user rules take fixed-length batches for now")
+
+
 def check_backward_rule(spec: KernelSpec) -> None:
     """A backward kernel's score rule must come with its gradient (dS takes d(score_mod)/d(score))."""
     if spec.score_mod and not modifiers.parse(spec.score_mod)["grad"]:
@@ -197,7 +210,7 @@ class MmaTiles(Family):
                 f"warp owns {self.owner} / num_warps rows, which must be 16 or 32 "
                 f"({self.owner} in {{{16 * spec.num_warps}, {32 * spec.num_warps}}})"
             )
-        self.check_modifiers(spec)
+        check_rules_fixed_length(spec)
         on = [field for field in (*variants.FIELDS, "score_mod", "mask_mod") if getattr(spec, field)]
         rules = bool(spec.score_mod) + bool(spec.mask_mod)
         margin = min(self.variant_registers * (len(on) - rules) + RULE_REGISTERS * rules, MAX_MARGIN)
@@ -210,9 +223,6 @@ class MmaTiles(Family):
                 f"(use smaller tiles, or more warps for the same tiles)"
             )
 
-    def check_modifiers(self, spec: KernelSpec) -> None:
-        if spec.varlen and (spec.score_mod or spec.mask_mod):
-            raise SpecError("score_mod / mask_mod with varlen=True: the user rules take fixed-length batches for now")
 
     def rows_per_warp(self, spec: KernelSpec) -> int:
         return getattr(spec, self.owner) // spec.num_warps
@@ -228,10 +238,7 @@ class MmaTiles(Family):
 
     def context(self, spec: KernelSpec) -> dict:
         context = {**super().context(spec), "smem_stride": spec.head_dim_pad + 8}
-        if spec.mask_mod:  # the block mask lists: per query tile its key tiles, or per key tile its query tiles
-            query_tiles, key_tiles = "(seqlen_q + BLOCK_M - 1) / BLOCK_M", "(seqlen_k + BLOCK_N - 1) / BLOCK_N"
-            key_major = self.owner == "block_n"
-            context.update(list_key_major=key_major, list_rows=key_tiles if key_major else query_tiles,
-                           list_width=query_tiles if key_major else key_tiles)
+        if spec.mask_mod:
+            context.update(block_mask_lists(key_major=self.owner == "block_n"))
         return context
 

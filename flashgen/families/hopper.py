@@ -11,12 +11,17 @@ from .. import variants
 from ..params import Param, Params, scalar, strides, tensormap
 from ..smem import Region, SmemLayout
 from ..spec import SMEM_LIMIT, KernelSpec, SpecError
-from .base import Family
+from .base import Family, block_mask_lists, check_rules_fixed_length
 from .forward import PACKED, forward_outputs_and_sizes
 
 # Registers a consumer thread may hold in accumulators (S, O, and P packed), by consumer
 # warpgroups: setmaxnreg gives each 240 (two consumers) or 160 (three) registers.
 MAX_ACCUMULATORS = {2: 200, 3: 128}
+# What a user rule takes beside them (its tensors' addresses, the values its expression holds per
+# element), and each built-in variant once a rule is on: calibrated on the CPU compile sweep
+# (tests/test_variants.py), past which the kernels spilled.
+RULE_REGISTERS = {"mask_mod": 12, "score_mod": 20}
+VARIANT_REGISTERS = 8
 
 
 def _tensor_map(t, box_rows):
@@ -42,7 +47,7 @@ class HopperForward(Family):
     kinds = ("fwd_sm90",)
     template = "attention_fwd_sm90.cu.j2"
     fields = ("head_dim", "block_m", "block_n", "dtype", "causal", "num_stages", "arch", "persistent", "varlen",
-              *variants.FIELDS)
+              *variants.FIELDS, "score_mod", "mask_mod")
     arguments = ("q", "k", "v", "o", "lse", "scale", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", *variants.ARGUMENTS)
     forward = True
     tune_space = {"block_m": (128, 192), "block_n": (64, 80, 96, 112, 128, 144, 160, 176), "num_stages": (2, 3),
@@ -66,6 +71,7 @@ class HopperForward(Family):
             raise SpecError(f"block_n={spec.block_n}: must be a multiple of 16 in [16, 256]")
         if spec.num_stages not in (2, 3, 4):
             raise SpecError(f"num_stages={spec.num_stages}: must be one of (2, 3, 4)")
+        check_rules_fixed_length(spec)
         if spec.varlen and spec.persistent:
             raise SpecError("varlen=True, persistent=True: the varlen Hopper forward runs one tile per CTA (persistent=False)")
         held = spec.block_n // 2 + self.head_dim_pad(spec) // 2 + spec.block_n // 4
@@ -75,6 +81,16 @@ class HopperForward(Family):
                 f"block_m={spec.block_m}, block_n={spec.block_n}, head_dim={spec.head_dim}: each consumer thread "
                 f"would hold {held} registers of accumulators; at most {limit} fit (use a smaller block_n)"
             )
+        rules = [rule for rule in RULE_REGISTERS if getattr(spec, rule)]
+        if rules:
+            on = [field for field in variants.FIELDS if getattr(spec, field)]
+            margin = sum(RULE_REGISTERS[rule] for rule in rules) + VARIANT_REGISTERS * len(on)
+            if held + margin > limit:
+                raise SpecError(
+                    f"block_m={spec.block_m}, block_n={spec.block_n}, head_dim={spec.head_dim} with "
+                    f"{', '.join(rules + on)}: each consumer thread would hold {held} registers of accumulators and "
+                    f"{margin} for the rules and variants; at most {limit} fit (use a smaller block_n, or block_m=128)"
+                )
 
     def threads(self, spec: KernelSpec) -> int:
         return 128 * (self.consumers(spec) + 1)
@@ -131,4 +147,7 @@ class HopperForward(Family):
         return f"(-(-q.shape[2] // {spec.block_m}), q.shape[1], q.shape[0])"
 
     def context(self, spec: KernelSpec) -> dict:
-        return {**super().context(spec), "wgmma": True}
+        context = {**super().context(spec), "wgmma": True}
+        if spec.mask_mod:
+            context.update(block_mask_lists(key_major=False))
+        return context

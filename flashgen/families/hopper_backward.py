@@ -56,7 +56,7 @@ from ..params import Params, pointer, scalar, strides, tensor, tensormap
 from ..smem import Region, SmemLayout
 from ..spec import SMEM_LIMIT, KernelSpec, SpecError
 from .backward import STATS_PAD, padded_varlen
-from .base import Family, check_backward_rule
+from .base import Family, block_mask_lists, check_backward_rule, check_rules_fixed_length
 from .forward import PACKED, sequences
 from .hopper import _tensor_map
 
@@ -67,9 +67,9 @@ from .hopper import _tensor_map
 PIECE = 64
 FRAGMENT = (8, 4, 8, 4, 2, 2)  # n8 tile, warp, lane / 4, lane % 4, row half, column
 MAX_STAGE_FLOATS = 64 * 128  # fp32 dQ staging per warpgroup: 32 KB
-# What a score with a derivative (softcap, a score rule) takes beside the accumulators in the
-# block_n=128 layout: past 192 accumulators its kernels spilled (CPU compile sweep,
-# tests/test_variants.py). ALiBi alone (derivative 1, its distances in float) fits the plain tiles.
+# What a score with a derivative (softcap, a score rule) or a mask rule takes beside the
+# accumulators in the block_n=128 layout: past 192 accumulators its kernels spilled (CPU compile
+# sweep, tests/test_variants.py). ALiBi alone (derivative 1, its distances in float) fits the plain tiles.
 SCORE_REGISTERS = 16
 
 
@@ -81,9 +81,10 @@ class HopperBackward(Family):
     # P^T d(logit)/d(s) to the one that computes dS^T, and in the block_n=128 one: ALiBi on any of its
     # tiles, softcap and score rules where the registers leave room (SCORE_REGISTERS: head dims up to
     # 64 with block_m=64), computing P^T and dS^T in one pass after both score products. Mask rules
-    # run on the mma.sync family.
+    # in both: each key tile walks the query tiles its block mask lists (per key tile), testing the
+    # rule per element in partial ones.
     fields = ("head_dim", "block_m", "block_n", "dtype", "causal", "num_stages", "arch", "varlen", "window", "softcap",
-              "alibi", "score_mod")
+              "alibi", "score_mod", "mask_mod")
     arguments = ("q", "k", "v", "d_o", "lse_log2", "delta", "dk", "dv", "dq_accum", "scale", "cu_seqlens_q", "cu_seqlens_k",
                  "max_seqlen_k", *variants.ARGUMENTS)
     tune_space = {"block_m": (64, 128), "block_n": (64, 128), "num_stages": (2, 3)}
@@ -119,6 +120,7 @@ class HopperBackward(Family):
         if spec.num_stages not in (2, 3):
             raise SpecError(f"num_stages={spec.num_stages}: must be 2 or 3 (Q and dO tiles in flight)")
         check_backward_rule(spec)
+        check_rules_fixed_length(spec)
         pad = self.head_dim_pad(spec)
         if self.split(spec):
             # fp32 registers a consumer thread holds at once: its gradient (dV or dK, pad / 2) and its
@@ -132,9 +134,11 @@ class HopperBackward(Family):
                 )
             # dV and dK (pad / 2 each), S^T and dP^T (block_m / 2 each).
             held, holds = pad + spec.block_m, "dV, dK, S^T, dP^T"
-        if (spec.softcap or spec.score_mod) and not self.split(spec) and held + SCORE_REGISTERS > 192:
+        # a mask rule's per-element test over 128 queries a step (64 scores a thread) spilled at d = 64
+        rule_test = spec.mask_mod and spec.block_m == 128
+        if (spec.softcap or spec.score_mod or rule_test) and not self.split(spec) and held + SCORE_REGISTERS > 192:
             raise SpecError(
-                f"block_m={spec.block_m}, head_dim={spec.head_dim}: with softcap or a score_mod a block_n=128 "
+                f"block_m={spec.block_m}, head_dim={spec.head_dim}: with softcap, a score_mod or (at block_m=128) a mask_mod a block_n=128 "
                 f"consumer thread needs {SCORE_REGISTERS} registers more than its {held} fp32 accumulators ({holds}), past "
                 f"the 192 that fit; use block_m=64 (at head_dim <= 64) or block_n=64 (the split layout)"
             )
@@ -205,7 +209,7 @@ class HopperBackward(Family):
             scalar("kv_group", "int", "q.shape[1] // k.shape[1]"),
             scalar("scale", "float"),
             scalar("scale_log2", "float", variants.scale_log2(spec)),
-            *variants.params(spec),
+            *variants.params(spec, (spec.block_m, spec.block_n, True)),  # a mask rule's lists: per key tile
         ]
         if spec.varlen:  # packed tensors; a sequence's last dK and dV rows may leave as plain stores
             return Params(self.arguments, [
@@ -236,7 +240,8 @@ class HopperBackward(Family):
 
     def context(self, spec: KernelSpec) -> dict:
         return {**super().context(spec), "wgmma": True, "has_dq": self.has_dq(spec), "stats_pad": STATS_PAD,
-                "head_dim_pad": self.head_dim_pad(spec), "split": self.split(spec), "do_stages": self.do_stages(spec)}
+                "head_dim_pad": self.head_dim_pad(spec), "split": self.split(spec), "do_stages": self.do_stages(spec),
+                **(block_mask_lists(key_major=True) if spec.mask_mod else {})}
 
     # ---- the dQ accumulator --------------------------------------------------------------------
 
