@@ -158,6 +158,7 @@ class DecodeAttention(Family):
             **super().context(spec),
             "smem_stride": spec.head_dim_pad + 8,
             "max_splits": MAX_SPLITS,
+            "blocks_per_sm": self.blocks_per_sm(spec),
             "paged": self.paged(spec),
             "warps_m": self.warps_m(spec),
             "warps_n": self.warps_n(spec),
