@@ -115,7 +115,7 @@ def test_the_hopper_forward_scores_each_tile_and_masks_per_warpgroup():
         assert f"score_tile({it});\n{' ' * 20}mask_tile({it});" in source
     assert "mask.partial(m0 + cw * 64, n0, 64, BLOCK_N)" in source  # this warpgroup's rows decide
     persistent = render(HOPPER.replace(window=True, persistent=True))
-    assert "tile_info(mask, last_first ? num_m_blocks - 1 - mb : mb," in persistent
+    assert "tile_info(last_first ? num_m_blocks - 1 - mb : mb," in persistent
 
 
 def test_alibi_distances_stay_in_float():
