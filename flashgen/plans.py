@@ -53,38 +53,6 @@ class Convert:
 
 
 @dataclass(frozen=True)
-class SplitCounters:
-    """values["split_counters"]: the split decode's counters, one per (sequence, KV head, row tile
-    of block_m rows), zero between calls (the block that merges a tile sets its counter back)."""
-
-    block_m: int
-
-    def run(self, device: int, values: dict) -> None:
-        row_tiles = -(-(values["seqlen_q"] * (values["heads"] // values["kv_heads"])) // self.block_m)
-        values["split_counters"] = split_counters(device, values["q"].device, values["batch"] * values["kv_heads"] * row_tiles)
-
-
-_counters: dict[tuple[int, int], torch.Tensor] = {}
-_outgrown: list[torch.Tensor] = []  # counters replaced by larger ones: a captured graph may still use them
-
-
-def split_counters(device: int, where: torch.device, count: int) -> torch.Tensor:
-    """At least `count` zeroed int32 counters on `where` for the current stream of `device`. They
-    outlive the call, so a decode step needs no zeroing launch; one buffer per stream, since two
-    decodes in flight at once must not count in the same place."""
-    from .runtime import current_stream
-
-    key = (device, current_stream(device))
-    counters = _counters.get(key)
-    if counters is None or counters.numel() < count:
-        if counters is not None:
-            _outgrown.append(counters)
-        size = max(count, 1024, 2 * (0 if counters is None else counters.numel()))
-        counters = _counters[key] = torch.zeros(size, dtype=torch.int32, device=where)
-    return counters
-
-
-@dataclass(frozen=True)
 class Plan:
     steps: tuple
     scratch: tuple[Scratch, ...] = ()
@@ -290,7 +258,7 @@ def decode(device: int, head_dim: int, dtype: torch.dtype, paged: bool, rows: in
     pick for `rows` packed query rows per KV head (with the variant fields `variant` names); with
     more than one split (`splits`, or 0 for num_splits' choice over `max_keys`, the keys a block
     may see: the cache's capacity plus the new keys, or fewer through a window), fp32 partials in
-    scratch, merged by the decode kernel's last split block of each row tile."""
+    scratch and the combine kernel after it."""
     key = ("decode", device, head_dim, dtype, paged, rows, batch, kv_heads, max_keys, splits, variant)
     found = _plans.get(key)
     if found is None:
@@ -302,7 +270,7 @@ def decode(device: int, head_dim: int, dtype: torch.dtype, paged: bool, rows: in
         )
         steps, scratch = [Launch(kernels.get(spec))], []
         if chosen > 1:
-            steps.insert(0, SplitCounters(spec.block_m))
+            steps.append(Launch(kernels.get(tuning.merge_spec("combine", head_dim, DTYPES[dtype], arch))))
             scratch = [Scratch("partials", _partials)]
         found = _plans[key] = (Plan(tuple(steps), tuple(scratch), whole=True), chosen)
     return found

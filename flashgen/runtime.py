@@ -85,7 +85,7 @@ def param_pointers(slot, offsets: tuple[int, ...]):
 
 # The current stream's raw handle. The private accessor skips building a torch.cuda.Stream object:
 # a few microseconds a call.
-current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
     lambda device: torch.cuda.current_stream(device).cuda_stream
 )
 
@@ -189,7 +189,7 @@ def launch(function, x: int, y: int, z: int, threads: int, smem: int, device: in
     if current.value != _contexts[device]:  # PyTorch's context for this device is usually current
         make_current(device)
     result = lib.cuLaunchKernel(
-        function, x, y, z, threads, 1, 1, smem, ctypes.c_void_p(current_stream(device)), pointers, None
+        function, x, y, z, threads, 1, 1, smem, ctypes.c_void_p(_current_stream(device)), pointers, None
     )
     if result:
         check(lib, result, f"launching {name}")

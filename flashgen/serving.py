@@ -283,8 +283,7 @@ def launch_values(q, k_cache, v_cache, k, v, cache_seqlens, block_table, capacit
         "k_strides": NO_STRIDES if k is None else k.stride(), "v_strides": NO_STRIDES if v is None else v.stride(),
         "cache_seqlens": cache_seqlens if lengths else None, "cache_seqlens_stride": cache_seqlens.stride(0) if lengths else 0,
         "cache_len": capacity if cache_seqlens is None or lengths else cache_seqlens, "capacity": capacity,
-        "block_table": block_table, "o": o, "lse": lse,
-        "partials": None, "split_counters": None,  # a split plan replaces them: its scratch and counters
+        "block_table": block_table, "o": o, "lse": lse, "partials": None,  # the scratch of a split plan replaces None
         "batch": batch, "seqlen_q": seqlen_q, "heads": heads, "kv_heads": k_cache.shape[2], "seqlen_new": seqlen_new,
         "splits": splits, "causal": bool(causal), "scale": scale,
     }

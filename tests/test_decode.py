@@ -350,53 +350,40 @@ def decode_values(batch=2, seqlen_q=1, heads=8, kv_heads=2, d=128, pages=100, pa
                                  True, 0.125)
 
 
-def test_split_decode_plan_merges_in_the_decode_kernel(driver, stub_kernels, cpu_device, monkeypatch):
-    """One launch: the partials go to scratch, and the split blocks count themselves done in
-    counters that outlive the call (one buffer per stream, grown and never freed)."""
-    from flashgen import runtime
-
-    monkeypatch.setattr(runtime, "current_stream", lambda device: 0x5EED)
-    monkeypatch.setattr(plans, "_counters", {})
-    monkeypatch.setattr(plans, "_outgrown", [])
+def test_split_decode_plan_wires_the_combine_through_scratch(driver, stub_kernels, cpu_device):
     plan, splits = plans.decode(-1, 128, BF16, True, 4, 2, 2, 640 + 1)
-    assert splits > 1 and [k.spec.kind for k in plan.kernels] == ["decode_paged"]
+    assert splits > 1 and [k.spec.kind for k in plan.kernels] == ["decode_paged", "combine"]
     values = decode_values(splits=splits)
     plan.run(-1, values)
-    (decode,) = driver.launches
-    partials, counters = values["partials"], values["split_counters"]
+    decode, combine = driver.launches
+    partials = values["partials"]
     assert partials.shape == (splits * 2 * 8 * 1 * (128 + 1),) and partials.dtype == torch.float32
-    assert counters.dtype == torch.int32 and counters.numel() >= 2 * 2 * 1 and not counters.any()
     assert decode["grid"] == (splits, 2, 2) and decode["block"] == (128, 1, 1)
     got = unpack(plan.kernels[0].spec, decode["params"])
     assert got["partials"] == partials.data_ptr() and got["splits"] == splits and got["lse"] == values["lse"].data_ptr()
-    assert got["split_counters"] == counters.data_ptr()
     assert got["k_new"] == values["k"].data_ptr() and got["seqlen_new"] == 1 and got["kv_group"] == 4
     assert (got["k_new_batch"], got["k_new_row"], got["k_new_head"]) == values["k"].stride()[:3]
     assert got["capacity"] == 40 * 16 and got["page_size"] == 16 and got["num_pages"] == 100
     assert (got["page_magic"], got["page_shift"]) == fast_divisor(16) and got["causal"] == 1
     assert got["cache_seqlens"] == values["cache_seqlens"].data_ptr() and got["block_table_batch"] == 40
     assert got["k_cache_page"] == 16 * 2 * 128 and got["k_cache_row"] == 2 * 128 and got["k_cache_head"] == 128
-    again = decode_values(splits=splits)
-    plan.run(-1, again)
-    assert again["split_counters"] is counters  # kept: a graph captured with them replays with them
-    big = plans.split_counters(-1, torch.device("cpu"), 5000)
-    assert big.numel() >= 5000 and big is not counters and counters in plans._outgrown
-    monkeypatch.setattr(runtime, "current_stream", lambda device: 0xF00D)
-    assert plans.split_counters(-1, torch.device("cpu"), 4) is not big  # another stream counts elsewhere
+    rows = unpack(plan.kernels[1].spec, combine["params"])
+    assert combine["grid"] == (2 * 8, 1, 1) and combine["block"] == (256, 1, 1)  # 8 warps per (batch, head, query) row
+    assert rows["parts"] == partials.data_ptr() and rows["parts_split"] == 2 * 8 * 128 and rows["splits"] == splits
+    assert rows["parts_lse"] == partials.data_ptr() + 4 * splits * 2 * 8 * 128  # the log-sum-exps follow the outputs
+    assert (rows["parts_lse_split"], rows["parts_lse_x"], rows["parts_lse_y"], rows["parts_lse_z"]) == (16, 8, 1, 1)
+    o = values["o"]  # (batch, seqlen_q, heads, d) read as rows (batch, heads, seqlen_q)
+    assert (rows["out_x"], rows["out_y"], rows["out_z"]) == (o.stride(0), o.stride(2), o.stride(1))
+    assert rows["out_lse"] == values["lse"].data_ptr() and (rows["size_y"], rows["size_z"], rows["rows"]) == (8, 1, 16)
 
 
-def test_the_decode_kernel_merges_in_its_last_split_block():
-    """The last block to count merges (reading the others' partials past L1) and resets its counter;
-    the paged kernel reads each tile's block-table entries a tile ahead of the copies."""
-    spec = tuning.decode_spec(128, "bf16", "sm_90a", True, rows=4)
-    source = render(spec)
-    assert "*merging = atomicAdd(counter, 1) == splits - 1;" in source and "atomicExch(counter, 0)" in source
-    assert source.index("__threadfence();") < source.index("atomicAdd(counter, 1)")
-    assert "__ldcg(partials + lse_parts" in source and "merge_weights(weight)" in source
+def test_the_paged_decode_reads_its_block_table_a_tile_ahead():
+    """Each tile's block-table entries are read while the tile before it is computed, so that no
+    copy waits on the table; the contiguous kernel has no table."""
+    source = render(tuning.decode_spec(128, "bf16", "sm_90a", True, rows=4))
     assert "if (next + 1 < n_tiles) read_pages((t_begin + next + 1) * BLOCK_N, pages);" in source
     assert "cache.row_in(pages[pass], pos, k_offset, v_offset)" in source
-    contiguous = render(tuning.decode_spec(128, "bf16", "sm_90a", False, rows=4))
-    assert "read_pages" not in contiguous and "atomicAdd(counter, 1)" in contiguous
+    assert "read_pages" not in render(tuning.decode_spec(128, "bf16", "sm_90a", False, rows=4))
 
 
 def test_unsplit_decode_writes_o_directly(driver, stub_kernels, cpu_device):
@@ -625,7 +612,7 @@ def test_decode_report_renders_as_markdown():
 
     row = {"B": 1, "T": 65536, "layout": "paged 16", "flashgen_us": 70.0, "flash_us": 80.2, "cudnn_us": None,
            "floor_us": 62.4, "vs_floor": 70 / 62.4, "vs_best_sdpa": 70 / 80.2, "tbs": 3.8, "splits": 32,
-           "kernels": "decode_paged_d128_m16_n64_bf16_w4_s3_sm90a"}
+           "kernels": "decode_paged_d128_m16_n64_bf16_w4_s3_sm90a + combine_d128_bf16_sm90a"}
     text = bench.decode_markdown({"copy_rate_tbs": 4.3, "decode": [row], "decode_host_us": {"flashgen": 19.5, "sdpa": 24.0}})
     assert "| 1 | 64k | paged 16 | 70.0 | 80.2 | - | 62.4 | 1.12 | 0.87 | 3.80 | 32 | decode_paged" in text
     assert "4.30 TB/s" in text and "flashgen 19.5 us, one SDPA call 24.0 us" in text

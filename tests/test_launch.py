@@ -79,7 +79,7 @@ class StubDriver:
 def driver(monkeypatch):
     stub = StubDriver()
     monkeypatch.setattr(runtime, "driver", lambda: stub)
-    monkeypatch.setattr(runtime, "current_stream", lambda device: 0xABC0)
+    monkeypatch.setattr(runtime, "_current_stream", lambda device: 0xABC0)
     monkeypatch.setitem(runtime._contexts, -1, None)  # CPU tensors report device -1; nothing current
     monkeypatch.setattr(runtime.Module, "function", lambda self, device, symbol, smem: ctypes.c_void_p(0x77))
     return stub

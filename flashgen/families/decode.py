@@ -8,7 +8,7 @@ partial attention states by their log-sum-exp.
   to give every warp its own). New keys and values are appended to the cache in place by the block
   whose key range holds them, and read straight from the new tensors, so no block waits for
   another's writes. With one split the block writes o (and lse); with more it writes its normalized
-  partial output and log-sum-exp (fp32), and the last of the splits to finish merges them all.
+  partial output and log-sum-exp (fp32) for the combine.
 - MergeStates (combine, merge) and MergeStatesFp32 (merge_fp32): o = sum_s exp(lse_s - lse) o_s
   with lse = log sum_s exp(lse_s), per row: the split-KV combine (fp32 partials in) and
   merge_attention_states (two states of any float dtype), one template.
@@ -55,7 +55,7 @@ class DecodeAttention(Family):
     # The tensors, and the sizes attention_with_kvcache has read once already (the packing then
     # reads no shape twice): a decode step's host cost is mostly Python.
     arguments = ("q", "k_cache", "v_cache", "k", "v", "k_strides", "v_strides", "cache_seqlens", "cache_seqlens_stride",
-                 "cache_len", "capacity", "block_table", "num_pages", "page_size", "page_divisor", "o", "lse", "partials", "split_counters",
+                 "cache_len", "capacity", "block_table", "num_pages", "page_size", "page_divisor", "o", "lse", "partials",
                  "batch", "seqlen_q", "heads", "kv_heads", "seqlen_new", "splits", "causal", "scale", *variants.ARGUMENTS)
 
     @staticmethod
@@ -137,10 +137,8 @@ class DecodeAttention(Family):
             *tensor("o", const=False, dims=("batch", "row", "head")),
             pointer("lse", "float*", optional=True),  # [batch, heads, seqlen_q], or null
             # With splits > 1: [splits, batch, heads, seqlen_q, head_dim] partial outputs, then
-            # [splits, batch, heads, seqlen_q] their log-sum-exps (fp32), and [batch, kv_heads, row
-            # tiles] int32 counters, zero between calls; else null.
+            # [splits, batch, heads, seqlen_q] their log-sum-exps (fp32); else null.
             pointer("partials", "float*", optional=True),
-            pointer("split_counters", "int*", optional=True),
             scalar("seqlen_q", "int"),
             scalar("heads", "int"),
             scalar("kv_group", "int", "heads // kv_heads"),
@@ -157,7 +155,6 @@ class DecodeAttention(Family):
         return {
             **super().context(spec),
             "smem_stride": spec.head_dim_pad + 8,
-            "max_splits": MAX_SPLITS,
             "blocks_per_sm": self.blocks_per_sm(spec),
             "paged": self.paged(spec),
             "warps_m": self.warps_m(spec),
