@@ -144,3 +144,14 @@ def test_a_candidate_counts_only_where_the_tables_would_run_it():
     spec = tune.candidates(mma)[0]
     with tuning.override([tune.entry_for(mma, [tune.tiles_of(spec)])]):
         assert not tune.runs(mma, spec)
+
+
+def test_mask_rule_entries_apply_to_mask_rules_alone():
+    """An entry with "mask_rule": true (the Hopper forward's 128 x 128 at d = 64) is picked for a
+    call with a mask rule and for no other variant."""
+    rule = ("mask_mod", '{"cuda":"kv_idx <= q_idx","per_batch":false,"per_head":false,"tensors":[]}')
+    masked = tuning.forward_spec(64, "bf16", True, "sm_90a", 8192, variant=(rule,))
+    capped = tuning.forward_spec(64, "bf16", True, "sm_90a", 8192, variant=("softcap",))
+    assert (masked.block_m, masked.block_n) == (128, 128) and (capped.block_m, capped.block_n) == (192, 112)
+    assert tuning.candidates("fwd_sm90", 64, "bf16", True, "sm_90a", "long", variant=True, mask_rule=True)[0] == \
+        {"block_m": 128, "block_n": 128, "num_stages": 2}
