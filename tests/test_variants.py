@@ -183,14 +183,14 @@ def variant_picks(arch, head_dim, causal, fields, varlen=False):
 
 
 # The tables' picks with every variant (and both rules) on, the most registers, on both targets
-# (every head dim on sm_90a); on sm_90a also with each one alone at the common head dims; packed
+# (every head dim on sm_90a; on sm_80 64, 128 and 256); on sm_90a also with each one alone at the common head dims; packed
 # sequences (varlen) with every variant on; the Hopper forward's persistent form of its picks
 # (`flashgen tune` may choose it), causal.
 VARIANT_SPECS = list(dict.fromkeys(
     spec
     for arch in ("sm_90a", "sm_80")
     for head_dim in tuning.TEST_HEAD_DIMS
-    if arch == "sm_90a" or head_dim in (64, 128)
+    if arch == "sm_90a" or head_dim in (64, 128, 256)  # sm_80 at 256: the mma.sync backward's d > 128 kinds
     for causal, fields, varlen in (
         (True, ALL + RULES, False), (True, ALL, True),
         *(((True, ALL, False), (False, ALL, False), *((False, (f,), False) for f in ALL + RULES))

@@ -1,0 +1,41 @@
+"""GPU time of one decode step (bench --decode's problem: B = 1, 32:8 heads, d = 128, bf16) under
+other decode tile shapes and split counts; each output compared with the tables' own pick.
+Usage: python3 .ci/probe_decode.py  (needs a GPU)."""
+
+import torch
+
+from flashgen import bench, plans, tuning
+from flashgen.serving import attention_with_kvcache
+
+TILES = [(64, 4, 3), (64, 4, 4), (64, 4, 6), (128, 4, 3), (128, 8, 3), (128, 8, 2), (64, 2, 4), (32, 2, 6)]
+
+
+def main():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for seqlen in (8192, 65536):
+        for paged in (False, True):
+            inputs = bench._decode_step(1, seqlen, paged, gen)
+            k_cache, v_cache = inputs["k_cache"].clone(), inputs["v_cache"].clone()
+            ref = attention_with_kvcache(**inputs, causal=True).float()
+            kind = "decode_paged" if paged else "decode"
+            for block_n, warps, stages in TILES:
+                entry = {"kind": kind, "arch": "sm_90a", "head_dim": 128, "dtype": "*", "causal": "*", "bucket": "*",
+                         "tiles": [{"block_n": block_n, "num_warps": warps, "num_stages": stages}]}
+                with tuning.override([entry]):
+                    spec, splits = None, None
+                    try:
+                        plan, splits = plans.decode(0, 128, torch.bfloat16, paged, 4, 1, 8, seqlen + 1)
+                        spec = plan.kernels[0].spec
+                        for forced in (0, splits * 2):
+                            step = lambda: attention_with_kvcache(**inputs, causal=True, num_splits=forced)  # noqa: E731
+                            inputs["k_cache"].copy_(k_cache), inputs["v_cache"].copy_(v_cache)
+                            diff = (step().float() - ref).abs().max().item()
+                            us = bench.graph_time_us(step)
+                            print(f"T={seqlen} {'paged' if paged else 'contig'} {spec.name} splits={forced or splits} "
+                                  f"{us:.1f} us diff {diff:.1e}", flush=True)
+                    except Exception as error:
+                        print(f"T={seqlen} {kind} {(block_n, warps, stages)} failed: {str(error)[:100]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
