@@ -5,12 +5,17 @@ A kernel with a mask_mod visits, for its row of tiles (a query tile in the forwa
 a key tile in the key-major backward), only the tiles the lists name, and tests positions only in
 tiles that are not full. The states come from the block_mask kernel (flashgen.families.blockmask),
 the lists from two torch ops on them. `BlockMasks` is one call's: it makes the lists of a tile
-shape when a kernel first asks and keeps them for the call's other kernels; a rule that reads no
-tensor depends on the shape alone, so its lists are also kept across calls.
+shape when a kernel first asks and keeps them for the call's other kernels. Across calls the lists
+are kept too, by everything they depend on: the rule's source and the shape, and for a rule that
+reads tensors, each tensor's identity and PyTorch's version counter (which every in-place write
+through PyTorch moves), so a changed tensor makes new lists. Not while a CUDA graph is captured:
+the graph makes its own at each replay, from what the tensors hold then. (A write that bypasses
+PyTorch, from a kernel of one's own, is not seen: call flashgen.blockmask.clear() after one.)
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -19,7 +24,7 @@ import torch
 from . import kernels
 from .spec import KernelSpec
 
-_kept: OrderedDict = OrderedDict()  # lists of tensor-free rules, by everything they depend on
+_kept: OrderedDict = OrderedDict()  # key -> (lists, weak references to the rule's tensors)
 KEEP = 64
 
 
@@ -58,13 +63,19 @@ class BlockMasks:
         shape = (block_m, block_n, key_major)
         lists = self._lists.get(shape)
         if lists is None:
-            key = None if self.rule.tensors else (self.rule.source, self.causal, self.window, self.batches, self.heads,
-                                                  self.seqlen_q, self.seqlen_k, self.device, shape)
-            lists = _kept.get(key) if key else None
-            if lists is None:
+            tensors = self.rule.arguments()
+            key = None if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing() else (
+                self.rule.source, self.causal, self.window, self.batches, self.heads, self.seqlen_q, self.seqlen_k,
+                self.device, shape, tuple((id(t), t._version) for t in tensors))
+            kept = _kept.get(key) if key else None
+            # an id names the same tensor only while it lives: the weak references say it does
+            if kept is not None and all(ref() is t for ref, t in zip(kept[1], tensors)):
+                lists = kept[0]
+                _kept.move_to_end(key)
+            else:
                 lists = self._make(block_m, block_n, key_major)
                 if key:
-                    _kept[key] = lists
+                    _kept[key] = (lists, tuple(weakref.ref(t) for t in tensors))
                     while len(_kept) > KEEP:
                         _kept.popitem(last=False)
             self._lists[shape] = lists

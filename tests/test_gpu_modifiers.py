@@ -125,12 +125,29 @@ def test_the_block_mask_skips_empty_tiles_and_is_kept_for_index_rules():
     rule = prefix_rule(64)
     flashgen.attention(q, k, v, mask_mod=rule)
     assert len(blockmask._kept) == 1  # a rule over indices alone: its lists are kept for the shape
-    lists = next(iter(blockmask._kept.values()))
+    lists = next(iter(blockmask._kept.values()))[0]
     # causal-like rule with a 64-key prefix: fewer than all tiles are listed, the diagonal ones partial
     assert lists.count.sum().item() < lists.count.numel() * lists.index.shape[-1]
     assert (lists.state == 2).any() and (lists.state == 1).any() and (lists.state == 0).any()
     flashgen.attention(q, k, v, mask_mod=rule)
     assert len(blockmask._kept) == 1
+
+
+def test_a_tensor_rules_lists_are_kept_until_its_tensor_changes():
+    from flashgen import blockmask
+
+    blockmask.clear()
+    q, k, v = make_qkv(1, 2, 2, 300, 300, 64, torch.bfloat16)
+    doc = torch.zeros(1, 300, dtype=torch.int32, device="cuda")
+    rule = document_rule(doc)
+    flashgen.attention(q, k, v, mask_mod=rule)
+    kept = dict(blockmask._kept)
+    flashgen.attention(q, k, v, mask_mod=rule)
+    assert blockmask._kept == kept  # the same tensor, unchanged: no new lists
+    doc[0, 100:] = 1
+    out = flashgen.attention(q, k, v, mask_mod=rule)
+    assert len(blockmask._kept) == 2 * len(kept)  # its version moved: new lists, and the output sees them
+    assert (out.float() - naive_attention(q, k, v, mask_mod=rule.python)[0].float()).abs().max().item() < 2e-2
 
 
 def test_a_rule_whose_tensor_changes_is_never_stale():

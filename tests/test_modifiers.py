@@ -117,3 +117,26 @@ def test_rule_tensors_on_another_device_are_refused():
         call_variant(q, False, (-1, -1), 0.0, None, None, rule)
     with pytest.raises(TypeError, match="score_mod"):
         call_variant(q, False, (-1, -1), 0.0, None, lambda *x: x, None)
+
+
+def test_block_mask_lists_are_kept_by_tensor_identity_and_version(monkeypatch):
+    """Kept across calls while the rule's tensors are the same, unchanged tensors; an in-place write
+    (its version moves) or another tensor makes new lists."""
+    from flashgen import blockmask
+    from flashgen.modifiers import Rule
+
+    made = []
+    monkeypatch.setattr(BlockMasks, "_make", lambda self, *shape: made.append(shape) or object())
+    monkeypatch.setattr(blockmask, "_kept", blockmask.OrderedDict())
+    doc = torch.zeros(1, 10, dtype=torch.int32)
+    source = rules.documents(doc).source
+
+    def lists(tensor):
+        return BlockMasks(Rule(source, [tensor]), True, (-1, -1), 1, 1, 10, 10, torch.device("cpu"), "sm_90a").get(64, 64, False)
+
+    first = lists(doc)
+    assert lists(doc) is first and len(made) == 1
+    doc[0, 5:] = 1  # in place: a new version
+    assert lists(doc) is not first and len(made) == 2
+    other = doc.clone()
+    assert lists(other) is not first and len(made) == 3
