@@ -8,8 +8,8 @@ the lists from two torch ops on them. `BlockMasks` is one call's: it makes the l
 shape when a kernel first asks and keeps them for the call's other kernels. Across calls the lists
 are kept too, by everything they depend on: the rule's source and the shape, and for a rule that
 reads tensors, each tensor's identity and PyTorch's version counter (which every in-place write
-through PyTorch moves), so a changed tensor makes new lists. Not while a CUDA graph is captured:
-the graph makes its own at each replay, from what the tensors hold then. (A write that bypasses
+through PyTorch moves), so a changed tensor makes new lists; a CUDA graph captured with such a rule
+makes its own at each replay, from what the tensors hold then. (A write that bypasses
 PyTorch, from a kernel of one's own, is not seen: call flashgen.blockmask.clear() after one.)
 """
 
@@ -64,9 +64,10 @@ class BlockMasks:
         lists = self._lists.get(shape)
         if lists is None:
             tensors = self.rule.arguments()
-            key = None if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing() else (
-                self.rule.source, self.causal, self.window, self.batches, self.heads, self.seqlen_q, self.seqlen_k,
-                self.device, shape, tuple((id(t), t._version) for t in tensors))
+            # a graph captured with a tensor rule makes its lists at each replay, from the tensors then
+            replayed = bool(tensors) and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            key = None if replayed else (self.rule.source, self.causal, self.window, self.batches, self.heads, self.seqlen_q,
+                                         self.seqlen_k, self.device, shape, tuple((id(t), t._version) for t in tensors))
             kept = _kept.get(key) if key else None
             # an id names the same tensor only while it lives: the weak references say it does
             if kept is not None and all(ref() is t for ref, t in zip(kept[1], tensors)):

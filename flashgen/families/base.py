@@ -223,7 +223,6 @@ class MmaTiles(Family):
                 f"(use smaller tiles, or more warps for the same tiles)"
             )
 
-
     def rows_per_warp(self, spec: KernelSpec) -> int:
         return getattr(spec, self.owner) // spec.num_warps
 

@@ -11,17 +11,16 @@ from .. import variants
 from ..params import Param, Params, scalar, strides, tensormap
 from ..smem import Region, SmemLayout
 from ..spec import SMEM_LIMIT, KernelSpec, SpecError
-from .base import Family, block_mask_lists, check_rules_fixed_length
+from .base import VARIANT_REGISTERS, Family, block_mask_lists, check_rules_fixed_length
 from .forward import PACKED, forward_outputs_and_sizes
 
 # Registers a consumer thread may hold in accumulators (S, O, and P packed), by consumer
 # warpgroups: setmaxnreg gives each 240 (two consumers) or 160 (three) registers.
 MAX_ACCUMULATORS = {2: 200, 3: 128}
 # What a user rule takes beside them (its tensors' addresses, the values its expression holds per
-# element), and each built-in variant once a rule is on: calibrated on the CPU compile sweep
-# (tests/test_variants.py), past which the kernels spilled.
-RULE_REGISTERS = {"mask_mod": 12, "score_mod": 20}
-VARIANT_REGISTERS = 8
+# element), and each built-in variant once a rule is on (base.VARIANT_REGISTERS): calibrated on the
+# CPU compile sweep (tests/test_variants.py), past which the kernels spilled.
+RULE_MARGINS = {"mask_mod": 12, "score_mod": 20}
 
 
 def _tensor_map(t, box_rows):
@@ -81,10 +80,10 @@ class HopperForward(Family):
                 f"block_m={spec.block_m}, block_n={spec.block_n}, head_dim={spec.head_dim}: each consumer thread "
                 f"would hold {held} registers of accumulators; at most {limit} fit (use a smaller block_n)"
             )
-        rules = [rule for rule in RULE_REGISTERS if getattr(spec, rule)]
+        rules = [rule for rule in RULE_MARGINS if getattr(spec, rule)]
         if rules:
             on = [field for field in variants.FIELDS if getattr(spec, field)]
-            margin = sum(RULE_REGISTERS[rule] for rule in rules) + VARIANT_REGISTERS * len(on)
+            margin = sum(RULE_MARGINS[rule] for rule in rules) + VARIANT_REGISTERS * len(on)
             if held + margin > limit:
                 raise SpecError(
                     f"block_m={spec.block_m}, block_n={spec.block_n}, head_dim={spec.head_dim} with "
