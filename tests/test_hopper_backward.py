@@ -162,7 +162,8 @@ def test_the_split_layout_hands_the_score_derivative_over():
     assert "handed" not in alibi and "score.at_distance(s[nt][e], distance0 + float(nt * 8 + (e & 1) - (e / 2) * 8), unused)" in alibi
     assert "Score" not in render(base) and "softcap" not in render(base) and "alibi" not in render(base)
     whole = render(base.replace(block_n=128, head_dim=64, softcap=True))
-    assert "dp[nt][e] = p * grad * (dp[nt][e]" in whole and "wgmma_wait<1>" not in whole.split("for (int step = 0;")[2]
+    before_scores = whole.split("for (int step = 0;")[2].split("const float* lse_t")[0]
+    assert "dp[nt][e] = p * grad * (dp[nt][e]" in whole and "wgmma_wait<0>" in before_scores and "wgmma_wait<1>" not in before_scores
 
 
 def _kernel_accumulator(spec, dq: torch.Tensor) -> torch.Tensor:

@@ -3,16 +3,19 @@ and walks the query tiles of every query head that shares it. A producer warp lo
 and streams Q, dO and their (lse, delta) rows through an mbarrier pipeline with the tensor memory
 accelerator; two consumer warpgroups run all five products on warpgroup MMA: S^T = K Q^T and
 dP^T = V dO^T from shared memory, dV += P^T dO and dK += dS^T Q with P^T and dS^T straight from
-registers, and dQ = dS K from a dS^T tile in shared memory. Each warpgroup adds its dQ pieces into
-an fp32 buffer with bulk reductions (cp.reduce.async.bulk). dK and dV leave through shared memory
-with TMA stores.
+registers, and dQ = dS K from dS^T tiles in shared memory. The warpgroups add dQ in 64 x 64 pieces
+into an fp32 buffer with bulk reductions (cp.reduce.async.bulk). dK and dV leave through shared
+memory with TMA stores.
 
 Two ways to split the work between the consumer warpgroups, chosen by block_n:
 
-- block_n=128 (head dims up to 128): each warpgroup owns 64 of the keys and runs all five products
-  for them, holding dV and dK (head_dim_pad / 2 fp32 each per thread) and S^T, dP^T. The warpgroups
-  share only K, V and the Q/dO pipeline, so they drift apart and one's softmax runs under the
-  other's products.
+- block_n=128 (head dims up to 128): each warpgroup owns 64 of the keys and runs the score, dV and
+  dK products for them, holding dV and dK (head_dim_pad / 2 fp32 each per thread) and S^T, dP^T.
+  dQ is summed over all 128 keys before it leaves: both warpgroups write dS^T to shared memory, meet
+  at a named barrier, and each computes every other 64 x 64 piece of the step's dQ tile from both
+  dS^T tiles and the whole K tile (with one piece a step, block_m=64 at head dims up to 64, they
+  take turns). Summing per warpgroup instead (64 keys) moved twice the bytes through L2's
+  reductions: 88 % of L2's throughput at d = 128 under ncu against 50 %, 3-12 % slower (BENCHMARKS.md).
 - block_n=64 (any head dim up to 256; what the tables pick above 128): the two warpgroups share the
   block's 64 keys and split the products by gradient. The first computes S^T, P^T and dV += P^T dO;
   the second dP^T, dS^T = P^T (dP^T - delta) and dK += dS^T Q. So each thread holds one gradient,
@@ -66,7 +69,7 @@ from .hopper import _tensor_map
 # memory is free of bank conflicts (a warp stores 512 consecutive bytes per n8 tile).
 PIECE = 64
 FRAGMENT = (8, 4, 8, 4, 2, 2)  # n8 tile, warp, lane / 4, lane % 4, row half, column
-MAX_STAGE_FLOATS = 64 * 128  # fp32 dQ staging per warpgroup: 32 KB
+MAX_DQ_PIECES = 2  # block_n=128: a step's dQ tile, one piece per consumer warpgroup (or one piece, taken in turns)
 # What a score with a derivative (softcap, a score rule) or a mask rule takes beside the
 # accumulators in the block_n=128 layout: past 192 accumulators its kernels spilled (CPU compile
 # sweep, tests/test_variants.py). ALiBi alone (derivative 1, its distances in float) fits the plain tiles.
@@ -147,10 +150,10 @@ class HopperBackward(Family):
                 f"block_m={spec.block_m}, head_dim={spec.head_dim}: a consumer thread would hold {held} fp32 "
                 f"accumulators ({holds}); at most 192 fit in its 240 registers (use block_m=64)"
             )
-        if self.has_dq(spec) and not self.split(spec) and spec.block_m * pad > MAX_STAGE_FLOATS:
+        if self.has_dq(spec) and not self.split(spec) and spec.block_m * pad > MAX_DQ_PIECES * PIECE * PIECE:
             raise SpecError(
-                f"block_m={spec.block_m}, head_dim={spec.head_dim}: the dQ tile of a step ({spec.block_m} x {pad} "
-                f"fp32) must fit the {MAX_STAGE_FLOATS * 4 // 1024} KB staging of a warpgroup (use block_m=64)"
+                f"block_m={spec.block_m}, head_dim={spec.head_dim}: the dQ tile of a step ({spec.block_m} x {pad}) "
+                f"must be at most {MAX_DQ_PIECES} pieces of {PIECE} x {PIECE}, one per consumer warpgroup (use block_m=64)"
             )
 
     def threads(self, spec: KernelSpec) -> int:
@@ -186,13 +189,15 @@ class HopperBackward(Family):
                 ]
             regions.append(Region("bar", 8 * (3 + 2 * spec.num_stages + 2 * do_stages), align=8))  # and P^T's two
             return SmemLayout(regions)
+        barriers = 1 + 4 * spec.num_stages
         if self.has_dq(spec):
             consumers = self.consumers(spec)
             regions += [
                 Region("ds", consumers * 64 * spec.block_m * 2, align=1024),  # each warpgroup's dS^T, [64 keys][BLOCK_M]
-                Region("dq", consumers * spec.block_m * self.head_dim_pad(spec) * 4, align=128),  # fp32 dQ pieces
+                Region("dq", consumers * 2 * PIECE * PIECE * 4, align=128),  # two fp32 dQ pieces of staging each
             ]
-        regions.append(Region("bar", 8 * (1 + 4 * spec.num_stages), align=8))
+            barriers += 2  # each dS^T tile read by the other warpgroup's dQ product
+        regions.append(Region("bar", 8 * barriers, align=8))
         return SmemLayout(regions)
 
     def params(self, spec: KernelSpec) -> Params:
