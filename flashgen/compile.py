@@ -102,8 +102,17 @@ def nvrtc_version() -> str:
         return f"{major}.{minor}"
 
 
+def _nvrtc_caches() -> bool:
+    """NVRTC 12.9 and later keep a compile cache of their own, and a hit there skips ptxas, so the
+    log then lacks ptxas' resource report. flashgen's disk cache is the one that counts: NVRTC's is off."""
+    major, minor = (int(part) for part in nvrtc_version().split(".")[:2])
+    return (major, minor) >= (12, 9)
+
+
 def compile_options(spec: KernelSpec) -> list[str]:
     options = [f"-arch={spec.arch}", "-std=c++17", "-Xptxas=-v", "-default-device"]
+    if _nvrtc_caches():
+        options.append("--no-cache")
     if os.environ.get("FLASHGEN_DEBUG"):
         options.append("-lineinfo")  # source lines for ncu, at no cost in speed
     return options
