@@ -118,3 +118,16 @@ def test_a_layout_that_disagrees_with_the_template_does_not_compile(spec):
     assert honest in source
     with pytest.raises(flashgen.CompileError, match="static assertion failed"):
         compile_source(spec, source.replace(honest, f"SMEM_{name}_BYTES = {layout.regions[1].bytes - 16};"))
+
+
+def test_the_same_source_compiled_twice_still_reports_its_resources():
+    """NVRTC 12.9+ caches compiles itself, and a hit there skips ptxas and its report (seen on the
+    H200's NVRTC 13.0: a rebuilt cache entry then failed). flashgen turns that cache off."""
+    from flashgen.compile import compile_options, nvrtc_version
+
+    spec = KernelSpec(head_dim=64, kind="bwd_prep")
+    major, minor = (int(p) for p in nvrtc_version().split(".")[:2])
+    assert ("--no-cache" in compile_options(spec)) == ((major, minor) >= (12, 9))
+    source = render(spec)
+    first, second = compile_source(spec, source), compile_source(spec, source)
+    assert first.resources == second.resources and first.resources.registers > 0
