@@ -135,7 +135,7 @@ def _sum_dq(specs: list[KernelSpec], scratch: list, steps: list) -> None:
     """Where a backward kernel adds dQ into an fp32 sum: the zeroed buffer in its family's layout,
     and the last step, which reads the sum back into dq (on the host, or by its family's reader
     kernel)."""
-    adders = [spec for spec in specs if any(p.name == "dq_accum" for p in spec.family.params(spec).params)]
+    adders = [spec for spec in specs if "dq_accum" in spec.family.params(spec).used(spec.family.grid(spec))]
     if adders:
         spec = adders[0]
         scratch.append(Scratch("dq_accum", lambda values: spec.family.dq_accum_shape(spec, values), zeroed=True))

@@ -105,7 +105,7 @@ def make_current(device: int) -> None:
         check(lib, lib.cuCtxSetCurrent(context), "cuCtxSetCurrent")
 
 
-_TENSOR_MAP_DTYPES = {torch.float16: 6, torch.bfloat16: 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / BFLOAT16
+_TENSOR_MAP_DTYPES = {torch.float16: 6, torch.float32: 7, torch.bfloat16: 9}  # CU_TENSOR_MAP_DATA_TYPE_*
 _SWIZZLE_128B, _L2_PROMOTION_128B, _OOB_FILL_ZEROS = 3, 2, 0
 
 

@@ -1,5 +1,5 @@
 """The sm_90a backward family without a GPU: its specs, the Hopper instructions in what NVRTC
-emits, and the dQ accumulator's layout (the kernel's fragment order, read back by the plan). Both
+emits, and the dQ accumulator's layout (the kernel's staging and TMA boxes, read back by the plan). Both
 layouts: block_n=128 (each consumer warpgroup owns 64 keys, head dims up to 128) and the split
 block_n=64 (the warpgroups share 64 keys, one computing dV and the other dK; up to 256)."""
 
@@ -44,8 +44,8 @@ def test_holds_the_hopper_instructions(spec):
         "setmaxnreg.inc.sync.aligned.u32", "setmaxnreg.dec.sync.aligned.u32", "mbarrier.try_wait.parity",
     ):
         assert instruction in ptx, instruction
-    reduces = "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in ptx
-    assert reduces == (spec.kind == "bwd_sm90_kvq")  # dQ by bulk reduction, or not at all
+    reduces = "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group" in ptx
+    assert reduces == (spec.kind == "bwd_sm90_kvq")  # dQ by TMA reduction, or not at all
     assert "mma.sync" not in ptx and "ld.local" not in ptx
     assert not re.search(r"\s(atom|red)\.", ptx)  # no element-wise atomics
 
@@ -84,7 +84,7 @@ def test_split_layout_renders_only_in_split_specs():
     kv = tuning.tuned_spec("bwd_sm90_kv", 256, "bf16", True, "sm_90a")
     plain = tuning.tuned_spec("bwd_sm90_kvq", 128, "bf16", True, "sm_90a")
     assert all(word in render(kvq) for word in ("BAR_P_FULL", "BAR_DS_FULL", "DO_STAGES = 1", "dv_side"))
-    assert "BAR_P_FULL" in render(kv) and "BAR_DS_FULL" not in render(kv) and "bulk_reduce_add(dq_accum" not in render(kv)
+    assert "BAR_P_FULL" in render(kv) and "BAR_DS_FULL" not in render(kv) and "tma_reduce_add_4d(&dq_map" not in render(kv)
     assert not any(word in render(plain) for word in ("BAR_P_", "DO_STAGES", "dv_side", "SMEM_P "))
 
 
@@ -166,30 +166,48 @@ def test_the_split_layout_hands_the_score_derivative_over():
     assert "dp[nt][e] = p * grad * (dp[nt][e]" in whole and "wgmma_wait<0>" in before_scores and "wgmma_wait<1>" not in before_scores
 
 
+def _staged_piece(piece: torch.Tensor) -> torch.Tensor:
+    """A 64 x 64 fp32 dQ piece as the template's stage_dq leaves it in shared memory (as floats):
+    thread t = 32 warp + lane holds rows 16 warp + lane / 4 (+ 8) and columns 8 nt + 2 (lane % 4)
+    (+ 1) of n8 tile nt, and writes each pair at box nt / 4, 128-byte row r, 16-byte chunk
+    (2 (nt % 4) + (lane % 4) / 2) ^ (r % 8), 8 bytes in for odd lanes."""
+    smem = torch.full((2 * 64 * 32,), float("nan"))
+    for t in range(128):
+        warp, lane = t // 32, t % 32
+        for nt in range(8):
+            for half in range(2):
+                r = warp * 16 + lane // 4 + 8 * half
+                chunk = (nt % 4) * 2 + (lane % 4) // 2
+                at = ((nt // 4) * 8192 + r * 128 + ((chunk ^ (r % 8)) * 16) + (lane & 1) * 8) // 4
+                col = nt * 8 + (lane % 4) * 2
+                smem[at: at + 2] = piece[r, col: col + 2]
+    return smem
+
+
+def _tma_box(smem: torch.Tensor, box: int) -> torch.Tensor:
+    """The [64 rows][32 fp32] box a TMA reduction reads from a 128-byte-swizzled buffer: element
+    (r, c) at 16-byte chunk (c / 4) ^ (r % 8) of row r."""
+    r, c = torch.arange(64)[:, None], torch.arange(32)[None]
+    return smem[(box * 8192 + r * 128 + (((c // 4) ^ (r % 8)) * 16) + (c % 4) * 4) // 4]
+
+
 def _kernel_accumulator(spec, dq: torch.Tensor) -> torch.Tensor:
-    """What the kernel's bulk reductions leave in dq_accum for a given (B, H, T, d) dQ, written the
-    way the template stages it: per query tile and 64 x 64 piece, thread t = 32 warp + lane puts
-    float4 j of its n8 tile nt at (nt * 128 + t) * 4 + j, holding row 16 warp + lane / 4 + 8 (j / 2)
-    and column 8 nt + 2 (lane % 4) + j % 2 of the piece."""
+    """What the kernel's staging and TMA reductions leave in dq_accum for a given (B, H, T, d) dQ:
+    every 64 x 64 piece of each query tile staged (stage_dq) and its two boxes added at rows
+    m0 + 64 pm, columns 64 pd and 64 pd + 32 (reduce_dq)."""
     family = spec.family
     batch, heads, seqlen_q, head_dim = dq.shape
     pad = family.head_dim_pad(spec)
     accum = torch.zeros(family.dq_accum_shape(spec, {"q": dq}))
-    tiles = -(-seqlen_q // spec.block_m)
-    full = torch.zeros(batch, heads, tiles * spec.block_m, pad)
+    full = torch.zeros(accum.shape)
     full[:, :, :seqlen_q, :head_dim] = dq
-    t = torch.arange(128)
-    warp, lane = t // 32, t % 32
-    j = torch.arange(4)
-    for tile in range(tiles):
-        for pm in range(spec.block_m // 64):
-            for pd in range(pad // 64):
-                piece = (tile * (spec.block_m // 64) + pm) * (pad // 64) + pd
-                for nt in range(8):
-                    rows = tile * spec.block_m + pm * 64 + (16 * warp + lane // 4)[:, None] + 8 * (j // 2)[None]
-                    cols = pd * 64 + 8 * nt + (2 * (lane % 4))[:, None] + (j % 2)[None]
-                    at = piece * 4096 + (nt * 128 + t)[:, None] * 4 + j[None]
-                    accum[:, :, at.flatten()] = full[:, :, rows.flatten(), cols.flatten()]
+    for b in range(batch):
+        for h in range(heads):
+            for row in range(0, accum.shape[2], 64):
+                for col in range(0, pad, 64):
+                    smem = _staged_piece(full[b, h, row: row + 64, col: col + 64])
+                    for box in range(2):
+                        accum[b, h, row: row + 64, col + 32 * box: col + 32 * box + 32] += _tma_box(smem, box)
     return accum
 
 

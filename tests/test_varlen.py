@@ -141,14 +141,14 @@ def test_the_hopper_backward_offsets_its_maps_masks_the_next_sequence_and_clips_
         "&k_map, c * 64, block.k_start + n0, kv_head, 0, smem + BAR_KV);",  # a batch of one, at the sequence's rows
         "&q_map, c * 64, block.q_start + m0, head, 0, q_full);",
         "const i64 stats_row = block.stats_rows(head, padded_q) + m0;",
-        "const i64 tile = (block.stats_rows(head, padded_q) + m0) / BLOCK_M;",  # dQ in the statistics' rows
+        "const int dq_row = int(block.stats_rows(0, padded_q)) + m0",  # dQ in the statistics' rows
         "> seqlen_k;",  # a key tile that crosses the end is partial: the next sequence's keys are masked
         "mask.outside(m0 + col + (e & 1), key0 + (e / 2) * 8)) p = 0.f;",
         "store_rows<HEAD_DIM>(",  # its rows inside the sequence leave as plain stores
         "elem_t* __restrict__ dk, elem_t* __restrict__ dv,\n    i64 dkv_row, i64 dkv_head,",
     ):
         assert piece in source and piece not in fixed, piece
-    assert "m_tiles" in fixed and "m_tiles" not in source
+    assert "const int dq_row = m0 + " in fixed and "dq_row, head, batch);" in fixed and "dq_row, head, 0);" in source
     assert "mask.outside" not in render(spec.replace(varlen=False, causal=True))  # fixed length: zero rows past the end
 
 
@@ -164,10 +164,11 @@ def test_the_varlen_hopper_backward_reads_its_dq_back_with_a_kernel(driver, stub
                   scale=0.125, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=257, max_seqlen_k=257)
     plan.run(-1, values)
     padded_q = padded_varlen(len(q), 3)
-    assert values["dq_accum"].shape == (heads, padded_q * d) and values["delta"].shape == (heads, padded_q)
+    assert values["dq_accum"].shape == (1, heads, padded_q, d) and values["delta"].shape == (heads, padded_q)
     main, reader = (unpack(k.spec, launch["params"]) for k, launch in zip(plan.kernels[1:], driver.launches[1:]))
     assert driver.launches[1]["grid"] == (-(-257 // 128), heads, 3)  # key tiles of the longest sequence
-    assert main["dq_accum"] == reader["dq_accum"] == values["dq_accum"].data_ptr()
+    accum = values["dq_accum"].data_ptr()
+    assert reader["dq_accum"] == accum and main["dq_map"] == accum.to_bytes(8, "little") * 15 + (64).to_bytes(8, "little")
     assert reader["dq"] == dq.data_ptr() and reader["padded_q"] == padded_q and reader["total_q"] == len(q)
     assert driver.launches[2]["grid"] == (-(-257 // 64), heads, 3)  # 64-row pieces of the longest sequence
     with pytest.raises(SpecError, match="varlen=False: a bwd_dq_sm90 kernel reads back the varlen layout only"):
@@ -215,7 +216,7 @@ def test_the_hopper_backward_still_holds_the_hopper_instructions(head_dim):
     spec = tuning.tuned_spec("bwd_sm90_kvq", head_dim, "bf16", True, "sm_90a").replace(varlen=True)
     ptx = compile_ptx(spec, render(spec)).decode()
     for instruction in ("wgmma.mma_async.sync.aligned", "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier",
-                        "cp.async.bulk.tensor.4d.global.shared::cta", "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32",
+                        "cp.async.bulk.tensor.4d.global.shared::cta", "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile",
                         "setmaxnreg.inc", "ld.shared.v4.u32"):  # (the last: a tail tile's plain stores of dK and dV)
         assert instruction in ptx, instruction
     assert "ld.local" not in ptx and "mma.sync" not in ptx

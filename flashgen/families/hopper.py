@@ -23,10 +23,10 @@ MAX_ACCUMULATORS = {2: 200, 3: 128}
 RULE_MARGINS = {"mask_mod": 12, "score_mod": 20}
 
 
-def _tensor_map(t, box_rows):
+def _tensor_map(t, box_rows, box_cols=64):
     from ..runtime import tensor_map
 
-    return tensor_map(t, box_rows)
+    return tensor_map(t, box_rows, box_cols)
 
 
 _sm_counts: dict[int, int] = {}

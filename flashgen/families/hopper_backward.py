@@ -4,8 +4,9 @@ and streams Q, dO and their (lse, delta) rows through an mbarrier pipeline with 
 accelerator; two consumer warpgroups run all five products on warpgroup MMA: S^T = K Q^T and
 dP^T = V dO^T from shared memory, dV += P^T dO and dK += dS^T Q with P^T and dS^T straight from
 registers, and dQ = dS K from dS^T tiles in shared memory. The warpgroups add dQ in 64 x 64 pieces
-into an fp32 buffer with bulk reductions (cp.reduce.async.bulk). dK and dV leave through shared
-memory with TMA stores.
+into a row-major fp32 buffer with TMA reductions (cp.reduce.async.bulk.tensor, over a tensor map
+of the buffer), so reading the sum back into dq is one contiguous copy. dK and dV leave through
+shared memory with TMA stores.
 
 Two ways to split the work between the consumer warpgroups, chosen by block_n:
 
@@ -49,7 +50,7 @@ one and each sequence's rows at its offset (block_info). A tile past a sequence'
 next sequence's rows: its queries add nothing (their lse is +inf from the prep, so P = 0), its keys
 are masked like the causal diagonal, and its dK and dV rows leave as plain stores of the rows
 inside the sequence. dQ sums into the statistics' padded rows ([heads, padded_q], every sequence
-on whole tiles), which bwd_dq_sm90 reads back into the packed dq.
+on whole tiles: (1, heads, padded_q, head_dim_pad)), which bwd_dq_sm90 reads back into the packed dq.
 """
 
 from __future__ import annotations
@@ -63,12 +64,11 @@ from .base import Family, block_mask_lists, check_backward_rule, check_rules_fix
 from .forward import PACKED, sequences
 from .hopper import _tensor_map
 
-# dQ tiles leave a warpgroup in pieces of 64 query rows x 64 head-dim columns, each in the order
-# the wgmma accumulator fragments sit in the threads: [n8 tile][warp][lane / 4][lane % 4][row
-# half][column pair]. A contiguous piece makes one bulk reduction, and writing it to shared
-# memory is free of bank conflicts (a warp stores 512 consecutive bytes per n8 tile).
+# dQ tiles leave a warpgroup in pieces of 64 query rows x 64 head-dim columns, each staged as two
+# TMA boxes of 64 rows x 32 fp32 (128 bytes, the widest a 128-byte swizzle takes) and added into
+# the row-major fp32 sum by two TMA reductions.
 PIECE = 64
-FRAGMENT = (8, 4, 8, 4, 2, 2)  # n8 tile, warp, lane / 4, lane % 4, row half, column
+DQ_BOX_COLUMNS = 32
 MAX_DQ_PIECES = 2  # block_n=128: a step's dQ tile, one piece per consumer warpgroup (or one piece, taken in turns)
 # What a score with a derivative (softcap, a score rule) or a mask rule takes beside the
 # accumulators in the block_n=128 layout: past 192 accumulators its kernels spilled (CPU compile
@@ -185,7 +185,7 @@ class HopperBackward(Family):
             if self.has_dq(spec):
                 regions += [
                     Region("ds", 64 * spec.block_m * 2, align=1024),  # dS^T, [64 keys][BLOCK_M]
-                    Region("dq", self.consumers(spec) * PIECE * PIECE * 4, align=128),  # one fp32 dQ piece each
+                    Region("dq", self.consumers(spec) * PIECE * PIECE * 4, align=1024),  # one fp32 dQ piece each
                 ]
             regions.append(Region("bar", 8 * (3 + 2 * spec.num_stages + 2 * do_stages), align=8))  # and P^T's two
             return SmemLayout(regions)
@@ -194,14 +194,13 @@ class HopperBackward(Family):
             consumers = self.consumers(spec)
             regions += [
                 Region("ds", consumers * 64 * spec.block_m * 2, align=1024),  # each warpgroup's dS^T, [64 keys][BLOCK_M]
-                Region("dq", consumers * 2 * PIECE * PIECE * 4, align=128),  # two fp32 dQ pieces of staging each
+                Region("dq", consumers * 2 * PIECE * PIECE * 4, align=1024),  # two fp32 dQ pieces of staging each
             ]
             barriers += 2  # each dS^T tile read by the other warpgroup's dQ product
         regions.append(Region("bar", 8 * barriers, align=8))
         return SmemLayout(regions)
 
     def params(self, spec: KernelSpec) -> Params:
-        outputs = [pointer("dq_accum", "float*")] if self.has_dq(spec) else []  # dq_accum_shape(); zeroed
         maps = [
             tensormap("q_map", f"tensor_map(q, {spec.block_m})"),
             tensormap("k_map", f"tensor_map(k, {spec.block_n})"),
@@ -210,6 +209,8 @@ class HopperBackward(Family):
             tensormap("dk_map", "tensor_map(dk, 64)"),
             tensormap("dv_map", "tensor_map(dv, 64)"),
         ]
+        if self.has_dq(spec):  # the fp32 dQ sum (dq_accum_shape(); zeroed), added into through TMA reductions
+            maps.append(tensormap("dq_map", f"tensor_map(dq_accum, {PIECE}, {DQ_BOX_COLUMNS})"))
         common = [
             scalar("kv_group", "int", "q.shape[1] // k.shape[1]"),
             scalar("scale", "float"),
@@ -221,14 +222,13 @@ class HopperBackward(Family):
                 *maps,
                 pointer("dk", "elem_t*"), pointer("dv", "elem_t*"), *strides("dkv", "dk", dims=PACKED),
                 pointer("lse_log2", "const float*"), pointer("delta", "const float*"),  # [heads, padded_q]
-                *outputs, *sequences(),
+                *sequences(),
                 scalar("padded_q", "int", "delta.shape[1]"),
                 *common,
             ])
         return Params(self.arguments, [
             *maps,
             pointer("lse_log2", "const float*"), pointer("delta", "const float*"),  # [batch, heads, padded_q]
-            *outputs,
             scalar("seqlen_q", "int", "q.shape[2]"),
             scalar("seqlen_k", "int", "k.shape[2]"),
             scalar("padded_q", "int", "delta.shape[2]"),
@@ -251,43 +251,33 @@ class HopperBackward(Family):
     # ---- the dQ accumulator --------------------------------------------------------------------
 
     def dq_accum_shape(self, spec: KernelSpec, values: dict) -> tuple:
-        """(batch, heads, floats): per query tile of BLOCK_M rows, its 64 x 64 pieces in row-major
-        piece order, each in fragment order (FRAGMENT). Varlen: (heads, floats), the same over the
-        statistics' padded rows (each sequence at block_info's stats_rows)."""
+        """(batch, heads, rows, head_dim_pad), rows = seqlen_q in whole query tiles: a row-major fp32
+        sum that whole 64 x 64 pieces are added into. Varlen: (1, heads, padded_q, head_dim_pad),
+        the statistics' padded rows (each sequence at block_info's stats_rows)."""
+        pad = self.head_dim_pad(spec)
         if spec.varlen:
             total_q, heads, _ = values["q"].shape
-            return heads, padded_varlen(total_q, values["cu_seqlens_q"].shape[0] - 1) * self.head_dim_pad(spec)
+            return 1, heads, padded_varlen(total_q, values["cu_seqlens_q"].shape[0] - 1), pad
         batch, heads, seqlen_q, _ = values["q"].shape
-        tiles = -(-seqlen_q // spec.block_m)
-        return batch, heads, tiles * spec.block_m * self.head_dim_pad(spec)
+        return batch, heads, -(-seqlen_q // spec.block_m) * spec.block_m, pad
 
     def dq_reader(self, spec: KernelSpec) -> KernelSpec | None:
         """Varlen: bwd_dq_sm90, since a sequence's rows sit at an offset of their own in the padded
-        rows, which no view expresses; fixed length: None (dq_from_accum, one strided copy)."""
+        rows, which no view expresses; fixed length: None (dq_from_accum, one copy)."""
         if spec.varlen:
             return KernelSpec(kind="bwd_dq_sm90", head_dim=spec.head_dim, dtype=spec.dtype, arch=spec.arch, varlen=True)
         return None
 
     def dq_from_accum(self, spec: KernelSpec, accum, dq) -> None:
-        """dq = the accumulator read back in (row, column) order."""
-        batch, heads, seqlen_q, head_dim = dq.shape
-        pad = self.head_dim_pad(spec)
-        tiles, row_pieces, col_pieces = -(-seqlen_q // spec.block_m), spec.block_m // PIECE, pad // PIECE
-        pieces = accum.view(batch, heads, tiles, row_pieces, col_pieces, *FRAGMENT)
-        # (b, h, tile, row piece, col piece, nt, warp, r8, c4, half, c2) -> rows (tile, row piece, warp,
-        # half, r8) and columns (col piece, nt, c4, c2)
-        ordered = pieces.permute(0, 1, 2, 3, 6, 9, 7, 4, 5, 8, 10)
-        if dq.is_contiguous() and seqlen_q == tiles * spec.block_m and head_dim == pad:
-            dq.view(batch, heads, tiles, row_pieces, 4, 2, 8, col_pieces, 8, 4, 2).copy_(ordered)
-        else:
-            dq.copy_(ordered.reshape(batch, heads, tiles * spec.block_m, pad)[:, :, :seqlen_q, :head_dim])
+        """dq = the sum's rows and columns that are dq's, converted to its dtype."""
+        dq.copy_(accum[:, :, : dq.shape[2], : dq.shape[3]])
 
 
 class HopperDqReader(Family):
-    """bwd_dq_sm90: the varlen Hopper backward's dQ sum ([heads, padded_q] rows in FRAGMENT order)
-    read back into the packed dq ([total_q, heads, head_dim]) in its dtype. One block per 64 rows
-    of a sequence and query head; each thread reads 16 consecutive floats (a warp 2 KB) and writes
-    two rows' 8 columns as 16-byte stores."""
+    """bwd_dq_sm90: the varlen Hopper backward's dQ sum ((1, heads, padded_q, head_dim_pad) fp32,
+    row-major) read back into the packed dq ([total_q, heads, head_dim]) in its dtype. One block per
+    64 rows of a sequence and query head; a thread reads 8 consecutive floats of a row (32 bytes)
+    and writes them as one 16-byte store."""
 
     kinds = ("bwd_dq_sm90",)
     template = "attention_bwd_dq_sm90.cu.j2"
@@ -308,7 +298,7 @@ class HopperDqReader(Family):
             *tensor("dq", const=False, dims=PACKED),
             pointer("cu_seqlens_q", "const int*"),
             scalar("total_q", "int", "dq.shape[0]"),
-            scalar("padded_q", "int", f"dq_accum.shape[1] // {HopperBackward.head_dim_pad(spec)}"),
+            scalar("padded_q", "int", "dq_accum.shape[2]"),
         ])
 
     def grid(self, spec: KernelSpec) -> str:  # 64-row pieces of the longest sequence, heads, sequences
