@@ -28,7 +28,7 @@ Two ways to split the work between the consumer warpgroups, chosen by block_n:
   with mbarriers as the handshake (P_FULL / P_EMPTY; named barriers DS_FULL / DS_FREE for the dS^T
   tile the second warpgroup writes for dQ, which the first reads only through wgmma). The dQ pieces
   (64 queries x 64 columns) alternate between the warpgroups; each stages one piece at a time
-  (16 KB) for its bulk reduction.
+  (16 KB) for its TMA reductions.
   Why this split: the register file bounds the keys per block, since dK and dV of BLOCK_N keys take
   2 * BLOCK_N * head_dim fp32 registers in the CTA (32 K of the 64 K at d = 256, BLOCK_N = 64);
   FlashAttention-3 too runs 64 x 80 at d = 256 and 64 x 96 with three warpgroups at d = 192. It
