@@ -2,9 +2,10 @@
 half an entry and N processes asking for one spec compile it once.
 
 Layout: $FLASHGEN_CACHE_DIR (default ~/.cache/flashgen) / <flashgen version> / <arch> /
-<spec name>-<key prefix> / {kernel.cu, kernel.cubin, meta.json}. Every file is written to a temporary
-name and renamed into place; meta.json, holding the cubin's checksum, is written last and is the
-commit marker. Loading checks the checksum, so a truncated or corrupted entry is a miss (logged and
+<spec name>-<key prefix> / {kernel.cu, kernel.cubin, meta.json}, and <flashgen version> / templates /
+(the compiled Jinja templates, so that a fresh process renders without compiling them). Every file
+is written to a temporary name and renamed into place; meta.json, holding the cubin's checksum, is
+written last and is the commit marker. Loading checks the checksum, so a truncated or corrupted entry is a miss (logged and
 rebuilt), never a crash. A cubin found in the cache is code that will run, so the cache directory
 must belong to the user and be writable by nobody else.
 """
@@ -32,6 +33,7 @@ from .spec import ARCHS, KernelSpec
 log = logging.getLogger("flashgen.cache")
 
 SOURCE, CUBIN, META = "kernel.cu", "kernel.cubin", "meta.json"
+TEMPLATES = "templates"  # <version>/templates: the compiled Jinja templates (render's bytecode_dir)
 
 
 class CacheError(RuntimeError):
@@ -130,7 +132,7 @@ class KernelCache:
     def get(self, spec: KernelSpec, *, ahead_of_time: bool = False) -> Artifact:
         """The compiled kernel for `spec`: from disk, or built now (once, under a lock). With
         FLASHGEN_NO_JIT set only `ahead_of_time` builds compile; others raise NoJitError."""
-        source = render(spec)
+        source = render(spec, self._templates_dir())
         key = content_key(spec, source)
         entry_name = f"{spec.name}-{key[:16]}"
         if jit_disabled() and not ahead_of_time and not (self.root / __version__ / spec.arch / entry_name / META).exists():
@@ -144,6 +146,13 @@ class KernelCache:
                 if artifact is None:
                     artifact = self._build(entry, spec, key, source, ahead_of_time)
         return artifact
+
+    def _templates_dir(self) -> Path | None:
+        """Where the compiled templates are kept; None with FLASHGEN_NO_JIT while it does not exist
+        (nothing is created on disk then)."""
+        if jit_disabled() and not (self.root / __version__ / TEMPLATES).is_dir():
+            return None
+        return private_dir(private_dir(private_dir(self.root) / __version__) / TEMPLATES)
 
     @staticmethod
     def load(entry: Path, spec: KernelSpec, key: str) -> Artifact | None:
@@ -211,12 +220,14 @@ class KernelCache:
 
     def clear(self) -> int:
         """Delete every entry; returns how many complete entries there were. Only the
-        <version>/<arch> folders flashgen writes are removed, never anything else under the root."""
+        <version>/<arch> and <version>/templates folders flashgen writes are removed, never anything
+        else under the root."""
         count = len(self.entries())
         if self.root.is_dir():
             for arch_dir in sorted(self.root.glob("*/*")):
                 version_dir = arch_dir.parent
-                if arch_dir.name in ARCHS and arch_dir.is_dir() and not (arch_dir.is_symlink() or version_dir.is_symlink()):
+                ours = arch_dir.name in ARCHS or arch_dir.name == TEMPLATES
+                if ours and arch_dir.is_dir() and not (arch_dir.is_symlink() or version_dir.is_symlink()):
                     shutil.rmtree(arch_dir)
                     if not any(version_dir.iterdir()):
                         version_dir.rmdir()

@@ -22,8 +22,19 @@ def templates_dir() -> Path:
     return in_tree if (in_tree / "device.cuh.j2").is_file() else package / "templates"
 
 
+class _BytecodeCache(jinja2.FileSystemBytecodeCache):
+    """Jinja's compiled templates on disk (one file per template, keyed by its source's checksum and
+    the Python version, written atomically), where a damaged file is a miss, never a crash."""
+
+    def load_bytecode(self, bucket: jinja2.bccache.Bucket) -> None:
+        try:
+            super().load_bytecode(bucket)
+        except (EOFError, ValueError, TypeError):
+            bucket.reset()
+
+
 @functools.cache
-def _environment() -> jinja2.Environment:
+def _environment(bytecode_dir: str | None = None) -> jinja2.Environment:
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(templates_dir()),
         undefined=jinja2.StrictUndefined,
@@ -31,9 +42,14 @@ def _environment() -> jinja2.Environment:
         lstrip_blocks=True,
         keep_trailing_newline=True,
         autoescape=False,
+        bytecode_cache=_BytecodeCache(bytecode_dir) if bytecode_dir else None,
     )
 
 
-def render(spec: KernelSpec) -> str:
+def render(spec: KernelSpec, bytecode_dir: Path | None = None) -> str:
+    """The kernel's CUDA source. With `bytecode_dir` the compiled templates are kept there: the
+    first render in a process then loads them instead of compiling them (~40 ms), which is most of
+    loading a cached kernel in a fresh process (the cache renders to find its entry)."""
     family = spec.family
-    return _environment().get_template(family.template).render(family.context(spec))
+    environment = _environment(str(bytecode_dir) if bytecode_dir else None)
+    return environment.get_template(family.template).render(family.context(spec))

@@ -12,7 +12,7 @@ import pytest
 
 import flashgen
 import flashgen.cache
-from flashgen.cache import CUBIN, META, SOURCE, KernelCache
+from flashgen.cache import CUBIN, META, SOURCE, TEMPLATES, KernelCache
 from flashgen.spec import KernelSpec
 
 SPEC = KernelSpec(head_dim=32, block_m=64, num_warps=4)
@@ -74,6 +74,31 @@ def test_entry_layout_and_modes(root):
     for directory in (root, root / flashgen.__version__, entry.parent, entry):
         assert mode(directory) == 0o700, directory
     assert not [name for _, _, files in os.walk(root) for name in files if name.endswith(".tmp")]
+
+
+def test_compiled_templates_are_kept_and_a_damaged_one_is_a_miss(root, monkeypatch):
+    """A fresh process finds its kernel by rendering it: from the compiled templates kept in the
+    cache (milliseconds), not by compiling them again (tens of milliseconds)."""
+    import jinja2
+
+    from flashgen import render
+
+    key = KernelCache(root).get(SPEC).key
+    templates = root / flashgen.__version__ / TEMPLATES
+    files = sorted(templates.iterdir())
+    assert files and mode(templates) == 0o700
+    compiled = []
+    real = jinja2.Environment.compile
+    monkeypatch.setattr(jinja2.Environment, "compile", lambda self, *a, **kw: compiled.append(a) or real(self, *a, **kw))
+    render._environment.cache_clear()  # as in a fresh process
+    assert KernelCache(root).get(SPEC).key == key and compiled == []
+    for path in files:  # damaged: a miss, recompiled and written again whole
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    render._environment.cache_clear()
+    assert KernelCache(root).get(SPEC).key == key and compiled
+    render._environment.cache_clear()
+    compiled.clear()
+    assert KernelCache(root).get(SPEC).key == key and compiled == []
 
 
 def test_failed_build_leaves_no_entry(root, monkeypatch):
@@ -204,6 +229,7 @@ def test_clear_leaves_other_files_alone(root):
     assert (root / "notes" / "keep.txt").read_text() == "mine"
     assert (root / flashgen.__version__ / "README").read_text() == "mine too"
     assert not (root / flashgen.__version__ / SPEC.arch).exists()
+    assert not (root / flashgen.__version__ / TEMPLATES).exists()
 
 
 @pytest.mark.parametrize("value", ["1", "true", "YES", "on"])
