@@ -16,6 +16,8 @@ from flashgen.spec import SMEM_LIMIT, KernelSpec, SpecError
 
 SPECS = [tuning.tuned_spec(kind, d, "bf16", causal, "sm_90a")
          for kind, d, causal in (("bwd_sm90_kvq", 64, False), ("bwd_sm90_kvq", 128, True), ("bwd_sm90_kv", 96, True))]
+# softcap at d = 64 takes block_m = 64: one dQ piece a step, each warpgroup adding its own keys' share
+SPECS += tuning.backward_specs(64, "bf16", True, "sm_90a", False, variant=("softcap",))
 # Every split spec the tables ship (d = 192 and 256, both dtypes, masks and modes), and d = 136, the
 # smallest head dim the split layout serves by default.
 SPLIT_SPECS = [spec for spec in tuning.shipped_specs("sm_90a") if spec.kind.startswith("bwd_sm90") and spec.head_dim > 128]

@@ -13,10 +13,12 @@ Two ways to split the work between the consumer warpgroups, chosen by block_n:
 - block_n=128 (head dims up to 128): each warpgroup owns 64 of the keys and runs the score, dV and
   dK products for them, holding dV and dK (head_dim_pad / 2 fp32 each per thread) and S^T, dP^T.
   dQ is summed over all 128 keys before it leaves: both warpgroups write dS^T to shared memory, meet
-  at a named barrier, and each computes every other 64 x 64 piece of the step's dQ tile from both
-  dS^T tiles and the whole K tile (with one piece a step, block_m=64 at head dims up to 64, they
-  take turns). Summing per warpgroup instead (64 keys) moved twice the bytes through L2's
-  reductions: 88 % of L2's throughput at d = 128 under ncu against 50 %, 3-12 % slower (BENCHMARKS.md).
+  at a named barrier, and each computes one 64 x 64 piece of the step's dQ tile from both dS^T
+  tiles and the whole K tile. Summing per warpgroup instead (64 keys) moved twice the bytes through
+  L2's reductions: 88 % of L2's throughput at d = 128 under ncu against 50 %, 3-12 % slower
+  (BENCHMARKS.md). With one piece a step (block_m=64 at head dims up to 64: softcap and user rules)
+  each warpgroup does add its own 64 keys' share: taking turns on the piece put the products on a
+  path that depends on the warpgroup, which ptxas serializes (7-13 % slower rule backwards).
 - block_n=64 (any head dim up to 256; what the tables pick above 128): the two warpgroups share the
   block's 64 keys and split the products by gradient. The first computes S^T, P^T and dV += P^T dO;
   the second dP^T, dS^T = P^T (dP^T - delta) and dK += dS^T Q. So each thread holds one gradient,
@@ -69,7 +71,7 @@ from .hopper import _tensor_map
 # the row-major fp32 sum by two TMA reductions.
 PIECE = 64
 DQ_BOX_COLUMNS = 32
-MAX_DQ_PIECES = 2  # block_n=128: a step's dQ tile, one piece per consumer warpgroup (or one piece, taken in turns)
+MAX_DQ_PIECES = 2  # block_n=128: a step's dQ tile, one piece per consumer warpgroup (or one piece, shared by keys)
 # What a score with a derivative (softcap, a score rule) or a mask rule takes beside the
 # accumulators in the block_n=128 layout: past 192 accumulators its kernels spilled (CPU compile
 # sweep, tests/test_variants.py). ALiBi alone (derivative 1, its distances in float) fits the plain tiles.
