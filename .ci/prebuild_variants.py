@@ -1,6 +1,6 @@
 """Compile, in parallel, the kernels the GPU tests of the variants and user rules run (the tables'
 picks for their fields), so that the tests find them in the cache instead of compiling one by one.
-Usage (GPU machine): PYTHONPATH=. python3 .ci/prebuild_variants.py"""
+Usage (GPU machine): python3 .ci/prebuild_variants.py (from anywhere: it imports this checkout's flashgen)"""
 
 import sys
 import tempfile
@@ -10,12 +10,12 @@ from pathlib import Path
 
 import torch
 
-import flashgen
-from flashgen import tuning
-from flashgen.plans import device_arch
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+ROOT = Path(__file__).parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
+import flashgen  # noqa: E402
 import rules  # noqa: E402
+from flashgen import tuning  # noqa: E402
+from flashgen.plans import device_arch  # noqa: E402
 
 def main():
     arch = device_arch(0)
