@@ -5,9 +5,9 @@ Layout: $FLASHGEN_CACHE_DIR (default ~/.cache/flashgen) / <flashgen version> / <
 <spec name>-<key prefix> / {kernel.cu, kernel.cubin, meta.json}, and <flashgen version> / templates /
 (the compiled Jinja templates, so that a fresh process renders without compiling them). Every file
 is written to a temporary name and renamed into place; meta.json, holding the cubin's checksum, is
-written last and is the commit marker. Loading checks the checksum, so a truncated or corrupted entry is a miss (logged and
-rebuilt), never a crash. A cubin found in the cache is code that will run, so the cache directory
-must belong to the user and be writable by nobody else.
+written last and is the commit marker. Loading checks the checksum, so a truncated or corrupted
+entry is a miss (logged and rebuilt), never a crash. A cubin found in the cache is code that will
+run, so the cache directory must belong to the user and be writable by nobody else.
 """
 
 from __future__ import annotations
