@@ -5,7 +5,9 @@ offers (`Family.tune_space`) that is a valid spec is compiled, run through `flas
 with the candidate put ahead of the table (`tuning.override`), checked against the fp32 reference
 by the numerics rule, and only then timed at the bench's shapes (16k tokens, model dim 2048) at a
 few sequence lengths. The shapes with the best geometric mean over those lengths become one exact
-table entry, best first, with the numbers that chose them.
+table entry, best first, with the numbers that chose them. One pass ranks shapes a few percent
+apart by noise, so a winner that is not the table's current pick is timed again against it,
+interleaved, and replaces it only if its slowest round beats the current pick's fastest.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from .reference import naive_attention
 from .spec import KernelSpec, SpecError
 
 TOP = 3  # shapes kept per entry: the best, and fallbacks for targets where it is not valid
+CONFIRM_ROUNDS = 3  # interleaved rounds of a new winner against the table's current pick
 CHECK_SHAPE = {"long": (2, 3, 200, 333), "short": (2, 3, 37, 333)}  # batch, heads, Tq, Tk: odd on purpose
 TIMED_SEQLEN_Q = {"long": None, "short": 64}  # None: the timing length itself
 
@@ -127,6 +130,23 @@ def check(problem: Problem) -> str | None:
     return None
 
 
+def current_pick(problem: Problem) -> KernelSpec | None:
+    """The spec the tables run for the problem now (no override), or None if they have none."""
+    try:
+        if problem.backward:
+            specs = tuning.backward_specs(problem.head_dim, problem.dtype, problem.causal, problem.arch, problem.deterministic)
+            return next((spec for spec in specs if spec.kind == problem.kind), None)
+        return tuning.forward_spec(problem.head_dim, problem.dtype, problem.causal, problem.arch, CHECK_SHAPE[problem.bucket][2])
+    except (LookupError, SpecError):
+        return None
+
+
+def confirmed(winner: list[float], current: list[float]) -> bool:
+    """Whether a new winner's interleaved rounds beat the current pick's beyond their spread: its
+    slowest round above the current pick's fastest."""
+    return min(winner) > max(current)
+
+
 def runs(problem: Problem, spec: KernelSpec) -> bool:
     """Whether the tables, with the override in place, run `spec` for the problem."""
     if problem.backward:
@@ -179,7 +199,12 @@ def tune(found: list[Problem], seqlens=SEQLENS, jobs: int | None = None, progres
     candidate pass its check."""
     from . import kernels
 
+    def timed(problem, spec) -> list[float]:
+        with tuning.override([entry_for(problem, [tiles_of(spec)])]):
+            return [measure(problem, seqlen) for seqlen in seqlens]
+
     entries = []
+    picks = {problem.label(): current_pick(problem) for problem in found}  # before any override
     plans = [(problem, candidates(problem)) for problem in found]
     failed = precompile(list(dict.fromkeys(s for _, specs in plans for s in specs)), jobs)
     for spec, why in failed.items():
@@ -194,7 +219,7 @@ def tune(found: list[Problem], seqlens=SEQLENS, jobs: int | None = None, progres
                 with tuning.override([entry_for(problem, [tiles_of(spec)])]):
                     why = None if runs(problem, spec) else "the tables would not run it for this problem"
                     why = why or check(problem)
-                    tflops = None if why else [measure(problem, seqlen) for seqlen in seqlens]
+                tflops = None if why else timed(problem, spec)
             except Exception as error:  # a compile error or a launch failure rules the candidate out
                 why, tflops = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}", None
             if why:
@@ -207,7 +232,7 @@ def tune(found: list[Problem], seqlens=SEQLENS, jobs: int | None = None, progres
             log(f"{problem.label()}: no candidate passed; the table keeps its entry")
             continue
         results.sort(key=lambda r: -r[0])
-        best = results[:TOP]
+        best = settle(problem, results, picks[problem.label()], timed, log)[:TOP]
         log(f"{problem.label()}: " + ", ".join(f"{s.name} {mean:.0f}" for mean, _, s in best) + " TFLOPS (geometric mean)")
         entries.append(entry_for(
             problem, [tiles_of(s) for _, _, s in best],
@@ -215,6 +240,25 @@ def tune(found: list[Problem], seqlens=SEQLENS, jobs: int | None = None, progres
             tflops={str(seqlen): [round(t[i], 1) for _, t, _ in best] for i, seqlen in enumerate(seqlens)},
         ))
     return entries
+
+
+def settle(problem: Problem, results: list, pick: KernelSpec | None, timed, log) -> list:
+    """The ranked (mean, tflops, spec) results, with the table's current pick put back first unless
+    the winner beats it in CONFIRM_ROUNDS interleaved rounds of `timed(problem, spec)` (confirmed)."""
+    current = next((r for r in results if r[2] == pick), None)
+    if current is None or current is results[0]:
+        return results
+    winner = results[0][2]
+    rounds = {winner: [], pick: []}
+    for _ in range(CONFIRM_ROUNDS):
+        for spec in rounds:
+            rounds[spec].append(statistics.geometric_mean(timed(problem, spec)))
+    if confirmed(rounds[winner], rounds[pick]):
+        return results
+    means = {spec: ", ".join(f"{mean:.0f}" for mean in rounds[spec]) for spec in rounds}
+    log(f"{problem.label()}: {winner.name} is not ahead of the table's {pick.name} beyond the noise "
+        f"({CONFIRM_ROUNDS} rounds each: {means[winner]} against {means[pick]} TFLOPS); the table's stays first")
+    return [current] + [r for r in results if r is not current]
 
 
 def merge(doc: dict, entries: list[dict]) -> dict:

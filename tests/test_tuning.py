@@ -155,3 +155,25 @@ def test_mask_rule_entries_apply_to_mask_rules_alone():
     assert (masked.block_m, masked.block_n) == (128, 128) and (capped.block_m, capped.block_n) == (192, 112)
     assert tuning.candidates("fwd_sm90", 64, "bf16", True, "sm_90a", "long", variant=True, mask_rule=True)[0] == \
         {"block_m": 128, "block_n": 128, "num_stages": 2}
+
+
+def test_a_new_winner_replaces_the_tables_pick_only_beyond_the_noise(monkeypatch):
+    """tune's ranking pass times each shape once; a winner that is not the table's pick is timed
+    against it again, interleaved, and goes first only if its slowest round beats the pick's fastest."""
+    problem = tune.Problem("fwd_sm90", 128, "bf16", False, "sm_90a", "long")
+    pick = tune.current_pick(problem)
+    other = next(spec for spec in tune.candidates(problem) if spec != pick)
+    results = [(610.0, [610.0], other), (600.0, [600.0], pick)]  # the ranking pass: `other` ahead
+    lines = []
+    close = {other: iter([605, 601, 604]), pick: iter([602, 606, 603])}  # interleaved rounds, within noise
+    settled = tune.settle(problem, list(results), pick, lambda _, spec: [next(close[spec])], lines.append)
+    assert [r[2] for r in settled] == [pick, other] and "stays first" in lines[0]
+    apart = {other: iter([640, 645, 642]), pick: iter([602, 606, 603])}  # clearly ahead in every round
+    lines.clear()
+    settled = tune.settle(problem, list(results), pick, lambda _, spec: [next(apart[spec])], lines.append)
+    assert [r[2] for r in settled] == [other, pick] and lines == []
+    # the pick already first, or not among the results: nothing is timed again
+    untimed = lambda *_: pytest.fail("timed again")  # noqa: E731
+    assert tune.settle(problem, results[::-1], pick, untimed, lines.append) == results[::-1]
+    assert tune.settle(problem, results[:1], pick, untimed, lines.append) == results[:1]
+    assert tune.confirmed([641, 640], [639, 600]) and not tune.confirmed([641, 620], [630, 600])
