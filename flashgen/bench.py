@@ -175,10 +175,29 @@ def backward_peak_bytes(out, leaves) -> int:
 HOST_CALLS, HOST_ROUNDS = 1000, 5
 
 
+def interleaved_host_us(ops: dict, calls: int = HOST_CALLS, rounds: int = HOST_ROUNDS, sync=None) -> dict:
+    """Microseconds of wall time per call of each of `ops` (name -> function): the median over
+    `rounds` rounds of `calls` calls, after 100 warm-up calls each, the ops' rounds interleaved so
+    that all see the same machine state; `sync` (default torch.cuda.synchronize) brackets a round."""
+    sync = sync or torch.cuda.synchronize
+    times = {name: [] for name in ops}
+    for _ in range(100):
+        for fn in ops.values():
+            fn()
+    for _ in range(rounds):
+        for name, fn in ops.items():
+            sync()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            sync()
+            times[name].append((time.perf_counter() - start) / calls * 1e6)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def host_overhead_us(calls: int = HOST_CALLS, rounds: int = HOST_ROUNDS) -> dict:
-    """Wall time per call on a tiny causal input (1x1x128x64), where launch cost dominates: the
-    median over `rounds` rounds of `calls` calls, flashgen's and SDPA's rounds interleaved so that
-    both see the same machine state."""
+    """Wall time per call on a tiny causal input (1x1x128x64), where launch cost dominates,
+    flashgen's and SDPA's (interleaved_host_us)."""
     from .api import attention
 
     q, k, v = (torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -186,19 +205,7 @@ def host_overhead_us(calls: int = HOST_CALLS, rounds: int = HOST_ROUNDS) -> dict
         "flashgen": lambda: attention(q, k, v, causal=True),
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
     }
-    times = {name: [] for name in ops}
-    for _ in range(100):
-        for fn in ops.values():
-            fn()
-    for _ in range(rounds):
-        for name, fn in ops.items():
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            torch.cuda.synchronize()
-            times[name].append((time.perf_counter() - start) / calls * 1e6)
-    return {name: statistics.median(values) for name, values in times.items()}
+    return interleaved_host_us(ops, calls, rounds)
 
 
 _WARM_LOAD = r"""
@@ -398,20 +405,8 @@ def varlen_host_us(calls: int = HOST_CALLS, rounds: int = HOST_ROUNDS) -> dict:
         "attention": lambda: attention(*dense, causal=True),
         "sdpa": lambda: F.scaled_dot_product_attention(*dense, is_causal=True),
     }
-    times = {name: [] for name in ops}
     with torch.no_grad():
-        for _ in range(100):
-            for fn in ops.values():
-                fn()
-        for _ in range(rounds):
-            for name, fn in ops.items():
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                torch.cuda.synchronize()
-                times[name].append((time.perf_counter() - start) / calls * 1e6)
-    return {name: statistics.median(values) for name, values in times.items()}
+        return interleaved_host_us(ops, calls, rounds)
 
 
 def run_varlen(json_path=None, console=None) -> dict:
@@ -560,25 +555,13 @@ def decode_rows(cases=DECODE_CASES, rate: float | None = None) -> list[dict]:
 
 def decode_host_us(calls: int = HOST_CALLS, rounds: int = HOST_ROUNDS) -> dict:
     """Wall time per eager call of one decode step (B = 1, 32:8 heads, d = 128, a 1k paged cache,
-    append + attention), where the host cost dominates, against one SDPA call on the same shape;
-    rounds interleaved as in host_overhead_us."""
+    append + attention), where the host cost dominates, against one SDPA call on the same shape
+    (interleaved_host_us)."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     step = _flashgen_step(_decode_step(1, 1024, True, gen))
     q, k, v = _sdpa_inputs(1, 1024, gen)
     ops = {"flashgen": step, "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)}
-    times = {name: [] for name in ops}
-    for _ in range(100):
-        for fn in ops.values():
-            fn()
-    for _ in range(rounds):
-        for name, fn in ops.items():
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            torch.cuda.synchronize()
-            times[name].append((time.perf_counter() - start) / calls * 1e6)
-    return {name: statistics.median(values) for name, values in times.items()}
+    return interleaved_host_us(ops, calls, rounds)
 
 
 DECODE_COLUMNS = ("B", "cache", "layout", "flashgen us", "flash us", "cudnn us", "floor us", "vs floor",

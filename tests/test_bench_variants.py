@@ -198,3 +198,14 @@ def test_flex_gets_the_user_rules_flashgen_runs():
         theirs = naive_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)[0]
         torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
         assert bench.rule_fields(kwargs)[0][1] == next(iter(kwargs.values())).source, name
+
+
+def test_host_timing_interleaves_the_ops_rounds():
+    """Each op's rounds alternate with the others' (so all see one machine state), each bracketed by a
+    sync; the result is the median round per call, in microseconds."""
+    events = []
+    ops = {"a": lambda: events.append("a"), "b": lambda: events.append("b")}
+    times = bench.interleaved_host_us(ops, calls=3, rounds=2, sync=lambda: events.append("|"))
+    assert events[:200] == ["a", "b"] * 100  # warm-up
+    assert "".join(events[200:]) == "|aaa||bbb||aaa||bbb|"
+    assert set(times) == {"a", "b"} and all(0 < us < 1e6 for us in times.values())
