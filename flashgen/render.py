@@ -8,6 +8,7 @@ empty string in the generated code.
 from __future__ import annotations
 
 import functools
+import pickle
 from pathlib import Path
 
 import jinja2
@@ -29,7 +30,7 @@ class _BytecodeCache(jinja2.FileSystemBytecodeCache):
     def load_bytecode(self, bucket: jinja2.bccache.Bucket) -> None:
         try:
             super().load_bytecode(bucket)
-        except (EOFError, ValueError, TypeError):
+        except (EOFError, ValueError, TypeError, pickle.UnpicklingError):  # cut in its checksum or its code
             bucket.reset()
 
 
