@@ -24,6 +24,7 @@ class Kernel:
         self.image = image
         family = spec.family
         self.threads, self.smem = family.threads(spec), spec.smem_bytes
+        self.dependent = family.dependent_launch(spec)
         self._pack = family.packer(spec)
         self.arguments = self._pack.arguments  # the named arguments launch() takes
         self._offsets = tuple(family.params(spec).offsets)
@@ -45,7 +46,7 @@ class Kernel:
         x, y, z = self._pack(slot[0], **arguments)
         function = self._functions.get(device) or self.function(device)
         pointers = slot[1].get(self._offsets) or runtime.param_pointers(slot, self._offsets)
-        runtime.launch(function, x, y, z, self.threads, self.smem, device, slot, pointers, self.spec.name)
+        runtime.launch(function, x, y, z, self.threads, self.smem, device, slot, pointers, self.spec.name, self.dependent)
 
 
 def get(spec: KernelSpec) -> Kernel:

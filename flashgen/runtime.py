@@ -179,17 +179,47 @@ class Module:
         return function
 
 
-def launch(function, x: int, y: int, z: int, threads: int, smem: int, device: int, slot, pointers, name: str) -> None:
+def launch(function, x: int, y: int, z: int, threads: int, smem: int, device: int, slot, pointers, name: str,
+           dependent: bool = False) -> None:
     """Launch `function` on `device`'s current stream: an (x, y, z) grid of blocks of `threads`
     threads, `smem` bytes of dynamic shared memory, and its parameters read through `pointers`
-    (param_pointers: into the slot's buffer, packed by the caller)."""
+    (param_pointers: into the slot's buffer, packed by the caller). `dependent`: a programmatic
+    dependent launch (sm_90), which may start before the kernel ahead of it on the stream ends (the
+    kernel waits for it with griddepcontrol.wait)."""
     lib = driver()
     _, _, current, current_ref = slot
     lib.cuCtxGetCurrent(current_ref)
     if current.value != _contexts[device]:  # PyTorch's context for this device is usually current
         make_current(device)
-    result = lib.cuLaunchKernel(
-        function, x, y, z, threads, 1, 1, smem, ctypes.c_void_p(_current_stream(device)), pointers, None
-    )
+    stream = _current_stream(device)
+    if dependent:
+        config = _dependent_config(x, y, z, threads, smem, stream)
+        result = lib.cuLaunchKernelEx(ctypes.byref(config), function, pointers, None)
+    else:
+        result = lib.cuLaunchKernel(function, x, y, z, threads, 1, 1, smem, ctypes.c_void_p(stream), pointers, None)
     if result:
         check(lib, result, f"launching {name}")
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, then a 64-byte value (a union)
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+def _dependent_config(x: int, y: int, z: int, threads: int, smem: int, stream: int) -> _LaunchConfig:
+    """cuLaunchKernelEx's configuration for a programmatic dependent launch, kept per thread."""
+    config = getattr(_local, "dependent", None)
+    if config is None:
+        attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+        config = _local.dependent = _LaunchConfig(attrs=ctypes.pointer(attribute), num_attrs=1)
+    config.grid[:] = (x, y, z)
+    config.block[:] = (threads, 1, 1)
+    config.smem, config.stream = smem, stream
+    return config

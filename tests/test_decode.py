@@ -356,6 +356,7 @@ def test_split_decode_plan_wires_the_combine_through_scratch(driver, stub_kernel
     values = decode_values(splits=splits)
     plan.run(-1, values)
     decode, combine = driver.launches
+    assert decode["dependent"] and combine["dependent"]  # sm_90a: each may start before the kernel ahead of it ends
     partials = values["partials"]
     assert partials.shape == (splits * 2 * 8 * 1 * (128 + 1),) and partials.dtype == torch.float32
     assert decode["grid"] == (splits, 2, 2) and decode["block"] == (128, 1, 1)
@@ -375,6 +376,26 @@ def test_split_decode_plan_wires_the_combine_through_scratch(driver, stub_kernel
     o = values["o"]  # (batch, seqlen_q, heads, d) read as rows (batch, heads, seqlen_q)
     assert (rows["out_x"], rows["out_y"], rows["out_z"]) == (o.stride(0), o.stride(2), o.stride(1))
     assert rows["out_lse"] == values["lse"].data_ptr() and (rows["size_y"], rows["size_z"], rows["rows"]) == (8, 1, 16)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_dependent_launches_wait_before_they_read(arch):
+    """On sm_90a the decode kernel and the combine are programmatic dependent launches: each waits
+    for the grid ahead of it before its first read of global memory, and lets the next one be
+    scheduled. Other targets have no such launch and render neither instruction."""
+    from flashgen.compile import compile_ptx
+
+    for spec in (tuning.decode_spec(128, "bf16", arch, True, rows=4), tuning.merge_spec("combine", 128, "bf16", arch)):
+        assert spec.family.dependent_launch(spec) == (arch == "sm_90a")
+        ptx = compile_ptx(spec, render(spec)).decode()
+        if arch != "sm_90a":
+            assert "griddepcontrol" not in ptx
+            continue
+        wait = ptx.index("griddepcontrol.wait")
+        assert "ld.global" not in ptx[:wait] and "cp.async" not in ptx[:wait], spec.name
+        assert "griddepcontrol.launch_dependents" in ptx
+    merge = tuning.merge_spec("merge", 128, "bf16", "sm_90a")  # merge_attention_states: an ordinary launch
+    assert not merge.family.dependent_launch(merge) and "griddepcontrol" not in render(merge)
 
 
 def test_the_paged_decode_reads_its_block_table_a_tile_ahead():

@@ -244,6 +244,49 @@ def test_decode_step_replays_from_a_cuda_graph(paged, num_splits):
         problem.cache_seqlens += torch.tensor([1, 1 + step, 0], device="cuda", dtype=torch.int32)
 
 
+
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graph"])
+def test_chained_steps_read_what_the_step_before_wrote(graphed):
+    """Each step's query and new key/value are the previous step's output, with no kernel between:
+    on sm_90a the decode kernel and the combine are programmatic dependent launches, each scheduled
+    before the one ahead of it ends, so a missing wait would read a stale output here."""
+    batch, heads, kv_heads, head_dim, length, steps = 2, 8, 2, 128, 1500, 4
+    problem = Problem(batch, 1, heads, kv_heads, head_dim, [length] * batch, capacity=2048, seed=31)
+    assert plans.decode(0, head_dim, torch.bfloat16, False, heads // kv_heads, batch, kv_heads, 2048 + 1)[1] > 1
+    k_cache, v_cache = problem.k_cache.clone(), problem.v_cache.clone()
+
+    def chain():
+        q, outs = problem.q, []
+        for step in range(steps):
+            new = q[:, :, :kv_heads]
+            q, lse = flashgen.attention_with_kvcache(q, problem.k_cache, problem.v_cache, new, new, cache_seqlens=length + step,
+                                                     causal=True, return_softmax_lse=True)
+            outs.append((q, lse))
+        return outs
+
+    if graphed:
+        chain()  # load every kernel first, off the graph
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = chain()
+        problem.k_cache.copy_(k_cache), problem.v_cache.copy_(v_cache)
+        graph.replay()
+    else:
+        outs = chain()
+    torch.cuda.synchronize()
+    ref_k, ref_v, q = k_cache.cpu(), v_cache.cpu(), problem.q.cpu()
+    for step, (out, lse) in enumerate(outs):
+        new = q[:, :, :kv_heads]
+        lp_k, lp_v = ref_k.clone(), ref_v.clone()
+        ref, ref_lse = reference.attention_with_kvcache(q, ref_k, ref_v, new, new, cache_seqlens=length + step, causal=True,
+                                                        return_softmax_lse=True)
+        ref_lp = reference.attention_with_kvcache(q, lp_k, lp_v, new, new, cache_seqlens=length + step, causal=True,
+                                                  upcast=False)
+        check(out, lse, ref, ref_lse, ref_lp)
+        q = out.cpu()  # the next step's query: what this step wrote
+    assert torch.equal(problem.k_cache.cpu(), ref_k) and torch.equal(problem.v_cache.cpu(), ref_v), "the appends differ"
+
 # ---- the variants (window_size, softcap, alibi_slopes), aligned to each sequence's own length -------
 
 

@@ -56,7 +56,7 @@ def test_offsets_follow_c_alignment_including_tensor_maps():
 
 
 class StubDriver:
-    """Records cuLaunchKernel's grid and parameter bytes; every call succeeds."""
+    """Records cuLaunchKernel's and cuLaunchKernelEx's grid and parameter bytes; every call succeeds."""
 
     def __init__(self):
         self.launches = []
@@ -71,7 +71,16 @@ class StubDriver:
         # what follows it in the 4 KiB launch buffer
         values = [ctypes.string_at(pointer, 128) for pointer in params]
         self.launches.append({"function": function, "grid": (gx, gy, gz), "block": (bx, by, bz), "smem": smem,
-                              "stream": stream.value, "params": values})
+                              "stream": stream.value, "params": values, "dependent": False})
+        return 0
+
+    def cuLaunchKernelEx(self, config, function, params, extra):
+        """A launch with attributes: only a programmatic dependent launch is ever asked for."""
+        config = config._obj
+        (attribute,) = config.attrs[: config.num_attrs]
+        assert (attribute.id, attribute.value) == (6, 1)  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        self.cuLaunchKernel(function, *config.grid, *config.block, config.smem, ctypes.c_void_p(config.stream), params, extra)
+        self.launches[-1]["dependent"] = True
         return 0
 
 

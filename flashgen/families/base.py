@@ -124,6 +124,11 @@ class Family:
     def threads(self, spec: KernelSpec) -> int:
         return 32 * spec.num_warps
 
+    def dependent_launch(self, spec: KernelSpec) -> bool:
+        """Whether the kernel is launched as a programmatic dependent of the one before it on the
+        stream (sm_90): it may be scheduled while that one ends, and waits for its writes."""
+        return False
+
     def smem(self, spec: KernelSpec) -> SmemLayout:
         return SmemLayout([])
 

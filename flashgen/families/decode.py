@@ -67,6 +67,12 @@ class DecodeAttention(Family):
         """Warps along the rows: each owns 16 of the block's rows."""
         return spec.block_m // 16
 
+    def dependent_launch(self, spec: KernelSpec) -> bool:
+        """On sm_90a a programmatic dependent of the kernel before it (it waits for that grid
+        before reading anything), so that its launch overlaps that kernel's end: a decode step is
+        short enough (~10 us at 8k keys) to feel a launch's microsecond."""
+        return spec.arch == "sm_90a"
+
     def warps_n(self, spec: KernelSpec) -> int:
         """Warps along the keys: they share rows and split each key tile between them."""
         return spec.num_warps // self.warps_m(spec)
@@ -182,6 +188,11 @@ class MergeStates(Family):
     def threads(self, spec: KernelSpec) -> int:
         return 32 * (self.warps_per_row(spec) if spec.kind == "combine" else 4)
 
+    def dependent_launch(self, spec: KernelSpec) -> bool:
+        """The combine follows its decode kernel as a programmatic dependent on sm_90a: its launch
+        overlaps the decode's last blocks, which a decode step of ~10 us feels."""
+        return spec.kind == "combine" and spec.arch == "sm_90a"
+
     def rows_per_block(self, spec: KernelSpec) -> int:
         return self.threads(spec) // 32 // self.warps_per_row(spec)
 
@@ -248,6 +259,8 @@ class MergeStates(Family):
             **super().context(spec), "in_type": in_type, "out_type": out_type, "num_warps": self.threads(spec) // 32,
             "warps_per_row": self.warps_per_row(spec),
             "state_slots": MAX_SPLITS // 32 if spec.kind == "combine" else 1,  # merge_attention_states: two states
+            "warp_states": 32 // self.warps_per_row(spec) if spec.kind == "combine" else 2,
+            "dependent_launch": self.dependent_launch(spec),
         }
 
 
