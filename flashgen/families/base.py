@@ -165,6 +165,7 @@ class Family:
             **modifier_context(spec),
             "variants_text": "".join(text for field, text in VARIANT_TEXT.items() if getattr(spec, field, False)),
             "smem_layout": self.smem(spec).cuda(),
+            "dependent_launch": self.dependent_launch(spec),  # the kernel waits with griddepcontrol.wait
         }
 
     def packer(self, spec: KernelSpec):

@@ -260,7 +260,6 @@ class MergeStates(Family):
             "warps_per_row": self.warps_per_row(spec),
             "state_slots": MAX_SPLITS // 32 if spec.kind == "combine" else 1,  # merge_attention_states: two states
             "warp_states": 32 // self.warps_per_row(spec) if spec.kind == "combine" else 2,
-            "dependent_launch": self.dependent_launch(spec),
         }
 
 
