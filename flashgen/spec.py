@@ -86,6 +86,9 @@ class KernelSpec:
     kind:       which kernel: "fwd", a backward piece, or the backward's prep (see families.KINDS).
     persistent: one block per SM walking the tiles (the longest causal rows first) instead of one
                 block per tile (Hopper forward).
+    exp2_fma:   of every 8 exponentials of the softmax, how many run as a polynomial on the FMA pipes
+                instead of the multi-function unit (0 to 8; Hopper forward): that unit does an
+                eighth as much per clock and bounds the softmax at d = 64 or with softcap's tanh.
     varlen:     packed sequences of different lengths (flash_attn_varlen_func's layout): tensors are
                 (total_tokens, heads, d) and each sequence's rows are found through cu_seqlens
                 (templates/block_info.cuh.j2); blocks past a sequence's end exit at once.
@@ -111,6 +114,7 @@ class KernelSpec:
     arch: str = "sm_90a"
     kind: str = "fwd"
     persistent: bool = False
+    exp2_fma: int = 0
     varlen: bool = False
     window: bool = False
     softcap: bool = False
@@ -122,10 +126,12 @@ class KernelSpec:
         from .families import KINDS
 
         check_head_dim(self.head_dim)
-        for field in ("block_m", "block_n", "num_warps", "num_stages"):
+        for field in ("block_m", "block_n", "num_warps", "num_stages", "exp2_fma"):
             check_int(field, getattr(self, field))
         if self.kind not in KINDS:
             raise SpecError(f"kind={self.kind!r}: must be one of {', '.join(KINDS)}")
+        if not 0 <= self.exp2_fma <= 8:
+            raise SpecError(f"exp2_fma={self.exp2_fma}: must be in [0, 8] (exponentials of every 8 on the FMA pipes)")
         if self.dtype not in DTYPES:
             raise SpecError(f"dtype={self.dtype!r}: must be one of {', '.join(DTYPES)}")
         for field in ("causal", "persistent", "varlen", "window", "softcap", "alibi"):

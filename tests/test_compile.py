@@ -1,5 +1,8 @@
 """NVRTC: every shipped spec compiles to a cubin with no spills, and failures carry what reproduces them."""
 
+import re
+
+import numpy as np
 import pytest
 
 import flashgen
@@ -56,6 +59,48 @@ def test_hopper_forward_holds_the_hopper_instructions(spec):
     ):
         assert instruction in ptx, instruction
     assert "mma.sync" not in ptx and "ld.local" not in ptx
+
+
+@pytest.mark.parametrize("variant", [{}, {"causal": True}, {"softcap": True}], ids=["full", "causal", "softcap"])
+def test_exp2_fma_moves_that_share_of_the_exponentials_off_the_multi_function_unit(variant):
+    """exp2_fma = k takes k of every 8 of the softmax's exponentials from ex2.approx to the FMA
+    polynomial (one round-down add each); the rescale factors stay on ex2."""
+    counts = {}
+    for share in (0, 3, 8):
+        spec = KernelSpec(head_dim=64, block_m=192, block_n=128, kind="fwd_sm90", exp2_fma=share, **variant)
+        ptx = compile_ptx(spec, render(spec)).decode()
+        counts[share] = ptx.count("ex2.approx"), ptx.count("add.rm.f32")
+    (plain, none), (some_ex2, some), (rest, every) = counts[0], counts[3], counts[8]
+    assert none == 0 and every == 8 * some // 3 > 0 and 8 * some % 3 == 0
+    assert some_ex2 + some == plain and rest + every == plain
+
+
+def _exp2_fma_twin(x: np.ndarray, source: str) -> np.ndarray:
+    """exp2_fma of the rendered source, step by step in numpy (its coefficients read from the
+    source); FFMA's single rounding is the one difference."""
+    body = source[source.index("DEVICE float exp2_fma"):]
+    c3, c2, c1 = (np.float32(c) for c in re.search(r"fmaf\(fmaf\(fmaf\(([\d.e-]+)f, f, ([\d.e-]+)f\), f, ([\d.e-]+)f\)", body).groups())
+    x = x.astype(np.float32)
+    clamped = np.where(np.isnan(x), x, np.maximum(x, np.float32(-127)))  # max.NaN
+    with np.errstate(invalid="ignore"):
+        shifted = (np.float64(12582912) + np.floor(clamped.astype(np.float64))).astype(np.float32)  # add.rm
+        f = clamped - (shifted - np.float32(12582912))
+        p = ((c3 * f + c2) * f + c1) * f + np.float32(1)
+    scale = ((shifted.view(np.uint32).astype(np.uint64) << 23) + 0x3F800000).astype(np.uint32).view(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return p * scale
+
+
+def test_exp2_fma_is_exact_enough_and_keeps_zero_and_nan():
+    spec = KernelSpec(head_dim=64, block_m=192, block_n=128, kind="fwd_sm90", exp2_fma=2)
+    source = render(spec)
+    x = np.concatenate([np.linspace(-126, 0, 2_000_001, dtype=np.float32), -np.float32(2) ** -np.arange(1, 24, dtype=np.float32)])
+    y = _exp2_fma_twin(x, source)
+    relative = np.abs(y.astype(np.float64) / np.exp2(x.astype(np.float64)) - 1)
+    assert relative.max() < 1e-4  # a 16-bit P rounds at 2^-12 (fp16) or 2^-9 (bf16)
+    assert _exp2_fma_twin(np.float32([0]), source)[0] == 1
+    edges = _exp2_fma_twin(np.float32([-127, -200, -np.inf, np.nan]), source)
+    assert edges[:3].tolist() == [0.0, 0.0, 0.0] and np.isnan(edges[3])  # masked keys add nothing; NaN shows
 
 
 def test_compile_error_carries_log_options_and_source(tmp_path):

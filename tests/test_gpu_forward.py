@@ -279,6 +279,33 @@ def test_persistent_hopper_forward(head_dim, block_m, block_n, causal):
         check_against_reference(q, k, v, causal, out, lse)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim,block_m,block_n,share", [(64, 192, 128, 2), (128, 128, 128, 3), (128, 128, 80, 8)])
+def test_exponentials_on_the_fma_pipes(head_dim, block_m, block_n, share, causal, dtype):
+    """exp2_fma: a share of the softmax's exponentials as a polynomial on the FMA pipes. Same
+    numerics rule; rows that see no key still give 0 and lse -inf (a masked score's exponential is
+    exactly 0); with softcap (the multi-function unit's other work) too."""
+    from flashgen.api import call
+    from flashgen.plans import device_arch
+
+    if device_arch(0) != "sm_90a":
+        pytest.skip("the Hopper family needs sm_90a")
+    spec = KernelSpec(head_dim=head_dim, block_m=block_m, block_n=block_n, causal=causal, dtype=dtype, kind="fwd_sm90",
+                      exp2_fma=share)
+    for batch, heads, kv_heads, seqlen_q, seqlen_k in ((2, 4, 2, 1000, 1100), (1, 3, 3, 300, 100), (2, 2, 1, 17, 2049)):
+        q, k, v = make_qkv(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, DTYPES[dtype], seed=seqlen_q + share)
+        out, lse = call(q, k, v, causal, None, True, False, spec=spec)
+        check_against_reference(q, k, v, causal, out, lse)
+    capped = tuning.forward_spec(head_dim, dtype, causal, "sm_90a", 4096, variant=("softcap",)).replace(exp2_fma=share)
+    q, k, v = make_qkv(2, 4, 2, 999, 1001, head_dim, DTYPES[dtype], seed=share)
+    out = call(q * 4, k, v, causal, None, False, False, spec=capped, softcap=5.0)
+    ref = naive_attention(q * 4, k, v, causal=causal, softcap=5.0)[0]
+    ref_lp = naive_attention(q * 4, k, v, causal=causal, softcap=5.0, upcast=False)[0]
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err <= 2 * (ref_lp.float() - ref.float()).abs().max().item() + 1e-5, err
+
+
 def test_prebuilt_hopper_module_runs_without_a_compiler(tmp_path):
     spec = tuning.tuned_spec("fwd_sm90", 128, "bf16", True, "sm_90a")
     out = run_prebuilt(tmp_path, spec, """

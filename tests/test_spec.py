@@ -27,6 +27,9 @@ BAD = [
     (dict(head_dim=64.0), "head_dim=64.0: must be an int"),
     (dict(head_dim=True), "head_dim=True: must be an int"),
     (dict(head_dim=64, block_n="64"), "block_n='64': must be an int"),
+    (dict(head_dim=64, kind="fwd_sm90", block_n=128, exp2_fma=9), "exp2_fma=9: must be in [0, 8]"),
+    (dict(head_dim=64, kind="fwd_sm90", block_n=128, exp2_fma=0.5), "exp2_fma=0.5: must be an int"),
+    (dict(head_dim=64, exp2_fma=2), "exp2_fma=2: a fwd kernel does not use exp2_fma"),
     (
         dict(head_dim=128, block_m=128, block_n=128, num_warps=4),
         "block_m=128, block_n=128, head_dim=128, num_warps=4: each thread would hold 256",
@@ -113,6 +116,7 @@ ALTERNATIVE = {
     "arch": "sm_80",
     "kind": "bwd_q",
     "persistent": True,
+    "exp2_fma": 3,
     "varlen": True,
     "window": True,
     "softcap": True,
@@ -121,7 +125,8 @@ ALTERNATIVE = {
     "mask_mod": '{"cuda":"q_idx >= kv_idx","per_batch":false,"per_head":false,"tensors":[]}',
 }
 # Fields the mma.sync forward does not use change a spec of a family that does.
-BASE_FOR = {"persistent": KernelSpec(head_dim=64, block_m=128, block_n=128, kind="fwd_sm90")}
+_HOPPER = KernelSpec(head_dim=64, block_m=128, block_n=128, kind="fwd_sm90")
+BASE_FOR = {"persistent": _HOPPER, "exp2_fma": _HOPPER}
 
 
 def key(spec):

@@ -25,6 +25,7 @@ NAME_PARTS = {
     "num_stages": "s{}",
     "arch": None,  # sm_90a -> sm90a
     "persistent": None,  # "persistent", or nothing
+    "exp2_fma": "e{}",  # or nothing when 0
     "varlen": None,  # "varlen", or nothing
     "window": None,  # the variants: their names, or nothing
     "softcap": None,
@@ -113,6 +114,8 @@ class Family:
                     parts.append(value.replace("_", ""))
                 elif field in FLAGS:
                     parts += [field] if value else []
+                elif field == "exp2_fma":
+                    parts += [form.format(value)] if value else []
                 elif field in MODIFIER_TAG:
                     parts += [MODIFIER_TAG[field] + modifiers.tag(value)] if value else []
                 else:
@@ -196,7 +199,7 @@ class MmaTiles(Family):
     registers."""
 
     owner = "block_m"
-    fields = tuple(field for field in NAME_PARTS if field != "persistent")  # one block per tile, always
+    fields = tuple(field for field in NAME_PARTS if field not in ("persistent", "exp2_fma"))  # one block per tile, always
     max_accumulators = 192  # fp32 accumulators per thread that fit in 255 registers with room to spare
     variant_registers = VARIANT_REGISTERS  # what each variant takes from that budget
 

@@ -45,12 +45,12 @@ def _sm_count(t) -> int:
 class HopperForward(Family):
     kinds = ("fwd_sm90",)
     template = "attention_fwd_sm90.cu.j2"
-    fields = ("head_dim", "block_m", "block_n", "dtype", "causal", "num_stages", "arch", "persistent", "varlen",
+    fields = ("head_dim", "block_m", "block_n", "dtype", "causal", "num_stages", "arch", "persistent", "exp2_fma", "varlen",
               *variants.FIELDS, "score_mod", "mask_mod")
     arguments = ("q", "k", "v", "o", "lse", "scale", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", *variants.ARGUMENTS)
     forward = True
     tune_space = {"block_m": (128, 192), "block_n": (64, 80, 96, 112, 128, 144, 160, 176), "num_stages": (2, 3),
-                  "persistent": (False, True)}
+                  "persistent": (False, True), "exp2_fma": (0, 1, 2, 3)}
 
     @staticmethod
     def consumers(spec: KernelSpec) -> int:
