@@ -104,6 +104,7 @@ MASK_RULE = MaskMod("q_idx >= kv_idx", lambda b, h, q_idx, kv_idx: q_idx >= kv_i
     (dict(head_dim=64, block_m=96), "block_m=96"),
     (dict(head_dim=64, block_m=128, softcap=True), "needs 16 registers more than its 192"),
     (dict(head_dim=128, score_mod=SCORE_RULE.source), "needs 16 registers more than its 192"),
+    (dict(head_dim=128, softcap=True, alibi=True), "needs 16 registers more than its 192"),
     (dict(head_dim=64, block_n=64, score_mod=ScoreMod("score", lambda score, b, h, q_idx, kv_idx: score).source),
      "needs the rule's gradient"),
 ])
@@ -114,12 +115,18 @@ def test_refuses_what_it_cannot_run(fields, message):
 
 @pytest.mark.parametrize("head_dim", (64, 128, 256))
 def test_score_variants_run_the_split_layout_and_windows_keep_theirs(head_dim):
-    """softcap and score rules take the Hopper backward at every head dim, in both modes: in the
-    block_n=128 layout at d = 64 (block_m=64, where its registers leave room), in the split one
-    above; a window or ALiBi alone keeps the plain tiles; a mask rule takes the block_n=128 layout
-    with 64 queries a step (at 128 its per-element test spilled at d = 64) up to d = 128."""
+    """softcap and score rules take the Hopper backward at every head dim, in both modes. Softcap
+    alone (its tanh in place under dP^T) takes the block_n=128 layout with 64 queries a step up to
+    d = 128; beside ALiBi, and score rules, take it at d = 64 (block_m=64, where the registers leave
+    room) and the split one above; a window or ALiBi alone keeps the plain tiles; a mask rule takes
+    the block_n=128 layout with 64 queries a step (at 128 its per-element test spilled at d = 64)
+    up to d = 128."""
     plain = tuning.backward_specs(head_dim, "bf16", True, "sm_90a", False)[0]
-    for variant in (("softcap",), ("window", "softcap", "alibi"), (("score_mod", SCORE_RULE.source),)):
+    for deterministic in (False, True):
+        capped = tuning.backward_specs(head_dim, "bf16", True, "sm_90a", deterministic, variant=("softcap",))[0]
+        assert capped.kind == ("bwd_sm90_kv" if deterministic else "bwd_sm90_kvq")
+        assert capped.family.split(capped) == (head_dim > 128) and capped.block_m == 64
+    for variant in (("window", "softcap", "alibi"), (("score_mod", SCORE_RULE.source),)):
         for deterministic in (False, True):
             first = tuning.backward_specs(head_dim, "bf16", True, "sm_90a", deterministic, variant=variant)[0]
             assert first.kind == ("bwd_sm90_kv" if deterministic else "bwd_sm90_kvq")
@@ -154,7 +161,8 @@ def test_the_split_layout_hands_the_score_derivative_over():
     """With softcap (a derivative) warpgroup 1 hands P^T d(logit)/d(s) to warpgroup 2, tile by tile
     once warpgroup 2 has released the last step's (the P_EMPTY mbarrier); with ALiBi (derivative 1) it
     hands P^T itself; a plain spec renders no score piece. The block_n=128 layout puts the derivative
-    into dS^T in the pass that makes P^T, after both score products."""
+    into dS^T in the pass that makes P^T, after both score products; with softcap alone, tanh has
+    made S^T the capped values in place between the two waits."""
     base = KernelSpec(kind="bwd_sm90_kvq", head_dim=128, block_m=64, block_n=64, causal=True)
     capped, alibi = render(base.replace(softcap=True)), render(base.replace(alibi=True))
     assert "handed[e] = p * grad;" in capped and "struct Score" in capped
@@ -163,9 +171,17 @@ def test_the_split_layout_hands_the_score_derivative_over():
     assert "mbar_wait(smem + BAR_P_FULL, step & 1);" in capped and "BAR_P_FREE" not in capped
     assert "handed" not in alibi and "score.at_distance(s[nt][e], distance0 + float(nt * 8 + (e & 1) - (e / 2) * 8), unused)" in alibi
     assert "Score" not in render(base) and "softcap" not in render(base) and "alibi" not in render(base)
-    whole = render(base.replace(block_n=128, head_dim=64, softcap=True))
-    before_scores = whole.split("for (int step = 0;")[2].split("const float* lse_t")[0]
-    assert "dp[nt][e] = p * grad * (dp[nt][e]" in whole and "wgmma_wait<0>" in before_scores and "wgmma_wait<1>" not in before_scores
+    def before_scores(source):
+        return source.split("for (int step = 0;")[2].split("const float* lse_t")[0]
+
+    ruled = render(base.replace(block_n=128, head_dim=64, score_mod=SCORE_RULE.source))
+    assert "dp[nt][e] = p * grad * (dp[nt][e]" in ruled
+    assert "wgmma_wait<0>" in before_scores(ruled) and "wgmma_wait<1>" not in before_scores(ruled)
+    whole = render(base.replace(block_n=128, softcap=True))
+    steps = before_scores(whole)
+    assert "dp[nt][e] = p * grad * (dp[nt][e]" in whole and "const float u = s[nt][e], grad = 1.f - u * u;" in whole
+    assert (steps.index("wgmma_wait<1>") < steps.index("s[nt][e] = score(s[nt][e],") < steps.index("finish_before_wait(s);")
+            < steps.index("wgmma_wait<0>"))
 
 
 def _staged_piece(piece: torch.Tensor) -> torch.Tensor:

@@ -78,16 +78,25 @@ MAX_DQ_PIECES = 2  # block_n=128: a step's dQ tile, one piece per consumer warpg
 SCORE_REGISTERS = 16
 
 
+def capped_first(spec: KernelSpec) -> bool:
+    """Softcap as the only score piece in the block_n=128 layout: tanh turns S^T into the capped
+    values in place while dP^T is computed, and the exponentials and the derivative 1 - u^2 come
+    from those values once dP^T has landed, so no tile beside the accumulators is held (the
+    layout's registers are the plain kernel's)."""
+    return spec.softcap and not spec.alibi and not spec.score_mod and spec.block_n == 128
+
+
 class HopperBackward(Family):
     kinds = ("bwd_sm90_kvq", "bwd_sm90_kv")
     template = "attention_bwd_sm90.cu.j2"
     # Variants: sliding windows (the mask alone) in both layouts; softcap, ALiBi and score rules in the
     # split one (block_n=64), where the warpgroup that computes P^T applies the score piece and hands
-    # P^T d(logit)/d(s) to the one that computes dS^T, and in the block_n=128 one: ALiBi on any of its
-    # tiles, softcap and score rules where the registers leave room (SCORE_REGISTERS: head dims up to
-    # 64 with block_m=64), computing P^T and dS^T in one pass after both score products. Mask rules
-    # in both: each key tile walks the query tiles its block mask lists (per key tile), testing the
-    # rule per element in partial ones.
+    # P^T d(logit)/d(s) to the one that computes dS^T, and in the block_n=128 one: ALiBi and softcap
+    # alone on any of its tiles (softcap's tanh in place under dP^T: capped_first), softcap with
+    # other score pieces and score rules where the registers leave room (SCORE_REGISTERS: head dims
+    # up to 64 with block_m=64), computing P^T and dS^T in one pass after both score products. Mask
+    # rules in both: each key tile walks the query tiles its block mask lists (per key tile), testing
+    # the rule per element in partial ones.
     fields = ("head_dim", "block_m", "block_n", "dtype", "causal", "num_stages", "arch", "varlen", "window", "softcap",
               "alibi", "score_mod", "mask_mod")
     arguments = ("q", "k", "v", "d_o", "lse_log2", "delta", "dk", "dv", "dq_accum", "scale", "cu_seqlens_q", "cu_seqlens_k",
@@ -139,11 +148,13 @@ class HopperBackward(Family):
                 )
             # dV and dK (pad / 2 each), S^T and dP^T (block_m / 2 each).
             held, holds = pad + spec.block_m, "dV, dK, S^T, dP^T"
-        # a mask rule's per-element test over 128 queries a step (64 scores a thread) spilled at d = 64
-        rule_test = spec.mask_mod and spec.block_m == 128
-        if (spec.softcap or spec.score_mod or rule_test) and not self.split(spec) and held + SCORE_REGISTERS > 192:
+        # a mask rule's test or softcap's tanh over 128 queries a step (64 scores a thread) spilled at d = 64
+        wide_scores = (spec.mask_mod or spec.softcap) and spec.block_m == 128
+        score_tile = (spec.softcap and not capped_first(spec)) or spec.score_mod
+        if (score_tile or wide_scores) and not self.split(spec) and held + SCORE_REGISTERS > 192:
             raise SpecError(
-                f"block_m={spec.block_m}, head_dim={spec.head_dim}: with softcap, a score_mod or (at block_m=128) a mask_mod a block_n=128 "
+                f"block_m={spec.block_m}, head_dim={spec.head_dim}: with a score_mod, softcap beside ALiBi, or (at block_m=128) "
+                f"softcap or a mask_mod a block_n=128 "
                 f"consumer thread needs {SCORE_REGISTERS} registers more than its {held} fp32 accumulators ({holds}), past "
                 f"the 192 that fit; use block_m=64 (at head_dim <= 64) or block_n=64 (the split layout)"
             )
@@ -248,6 +259,7 @@ class HopperBackward(Family):
     def context(self, spec: KernelSpec) -> dict:
         return {**super().context(spec), "wgmma": True, "has_dq": self.has_dq(spec), "stats_pad": STATS_PAD,
                 "head_dim_pad": self.head_dim_pad(spec), "split": self.split(spec), "do_stages": self.do_stages(spec),
+                "capped_first": capped_first(spec),
                 **(block_mask_lists(key_major=True) if spec.mask_mod else {})}
 
     # ---- the dQ accumulator --------------------------------------------------------------------

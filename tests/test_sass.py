@@ -1,0 +1,89 @@
+"""SASS of the Hopper kernels (cuobjdump and nvdisasm from NVIDIA's wheels, test dependencies):
+what ptxas made of the schedules the templates ask for. ptxas hoists a warpgroup MMA wait to the
+top of its basic block, so work written between an MMA's issue and its wait can land behind the
+wait, off the tensor cores' time; these tests read where the multi-function unit's instructions
+(the exponentials, softcap's tanh) ended up."""
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from flashgen import tuning
+from flashgen.compile import compile_source
+from flashgen.render import render
+from flashgen.spec import KernelSpec
+
+
+def _cuobjdump() -> str | None:
+    found = shutil.which("cuobjdump")
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations if spec else []):
+        found = found or next((str(p) for p in sorted(Path(root).glob("*/bin/cuobjdump"))), None)
+    return found
+
+
+CUOBJDUMP = _cuobjdump()
+pytestmark = pytest.mark.skipif(CUOBJDUMP is None, reason="cuobjdump not installed (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+
+
+def sass(spec: KernelSpec, tmp_path) -> list[str]:
+    """The kernel's instructions in order, predicates dropped."""
+    path = tmp_path / f"{spec.name}.cubin"
+    path.write_bytes(compile_source(spec, render(spec)).cubin)
+    env = {**os.environ, "PATH": f"{Path(CUOBJDUMP).parent}{os.pathsep}{os.environ.get('PATH', '')}"}  # where nvdisasm is
+    text = subprocess.run([CUOBJDUMP, "-sass", str(path)], capture_output=True, text=True, check=True, env=env).stdout
+    return re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][^;]*);", text)
+
+
+def between_waits(instructions: list[str]) -> list[tuple[list[str], list[str]]]:
+    """For each wait that leaves one MMA group in flight (the score product's wait, the other product
+    still running): the instructions up to the next wait, and those from there to the next MMA."""
+    found = []
+    for i, op in enumerate(instructions):
+        if op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x1"):
+            end = next(j for j in range(i + 1, len(instructions)) if instructions[j].startswith("WARPGROUP.DEPBAR"))
+            after = next((j for j in range(end, len(instructions)) if instructions[j].startswith("HGMMA")), len(instructions))
+            found.append((instructions[i + 1:end], instructions[end:after]))
+    return found
+
+
+def mufu(ops: list[str], function: str) -> int:
+    return sum(op.startswith(f"MUFU.{function}") for op in ops)
+
+
+BACKWARD = [spec for spec in tuning.shipped_specs("sm_90a") if spec.kind.startswith("bwd_sm90") and spec.block_n == 128]
+BACKWARD += [tuning.backward_specs(d, "bf16", c, "sm_90a", False, variant=("softcap",))[0] for d, c in ((64, True), (128, False))]
+
+
+@pytest.mark.parametrize("spec", BACKWARD, ids=lambda spec: spec.name)
+def test_the_hopper_backward_computes_p_under_dp(spec, tmp_path):
+    """Every exponential of a step's P^T (block_m / 2 a thread) runs between the S^T wait and the dP^T
+    wait; with softcap, every tanh does, and the exponentials follow."""
+    waits = between_waits(sass(spec, tmp_path))
+    steps = [(under, after) for under, after in waits if mufu(under + after, "EX2") + mufu(under + after, "TANH")]
+    per_thread = spec.block_m // 2
+    assert steps, "no wait for S^T alone"  # (the other such waits are dQ's pipeline)
+    for under, after in steps:
+        if spec.softcap:
+            assert (mufu(under, "TANH"), mufu(after, "TANH"), mufu(after, "EX2")) == (per_thread, 0, per_thread)
+        else:
+            assert (mufu(under, "EX2"), mufu(after, "EX2")) == (per_thread, 0)
+
+
+FORWARD = [tuning.forward_spec(d, "bf16", c, "sm_90a", 4096, variant=v) for d in (64, 128) for c in (False, True)
+           for v in ((), ("softcap",))]
+
+
+@pytest.mark.parametrize("spec", FORWARD, ids=lambda spec: spec.name)
+def test_the_hopper_forward_runs_its_softmax_under_pv(spec, tmp_path):
+    """Every exponential (and tanh) of a key tile's softmax runs between the QK^T wait and the P V
+    wait (the conditional K release holds the wait back)."""
+    steps = between_waits(sass(spec, tmp_path))
+    assert steps
+    for under, after in steps:
+        assert mufu(under, "EX2") >= spec.block_n // 2 and mufu(after, "EX2") == mufu(after, "TANH") == 0
