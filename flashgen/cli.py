@@ -328,7 +328,8 @@ def tune(head_dims, dtypes, masks, kinds, seqlens, out, jobs, dry_run):
     if dry_run:
         for problem in found:
             specs = tuner.candidates(problem)
-            click.echo(f"{problem.label()}: {len(specs)} candidates")
+            knobs = ", ".join(f"{field} {values}" for field, values in specs[0].family.tune_knobs.items()) if specs else ""
+            click.echo(f"{problem.label()}: {len(specs)} candidates" + (f", then {knobs} on the best {tuner.TOP}" if knobs else ""))
         return
     with Progress(console=errors, transient=True) as progress:
         entries = tuner.tune(found, seqlens, jobs, progress=progress, log=lambda line: console.print(line, highlight=False))

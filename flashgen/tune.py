@@ -4,10 +4,13 @@ For every (kind, head dim, dtype, causal, length bucket) asked for, each candida
 offers (`Family.tune_space`) that is a valid spec is compiled, run through `flashgen.attention`
 with the candidate put ahead of the table (`tuning.override`), checked against the fp32 reference
 by the numerics rule, and only then timed at the bench's shapes (16k tokens, model dim 2048) at a
-few sequence lengths. The shapes with the best geometric mean over those lengths become one exact
-table entry, best first, with the numbers that chose them. One pass ranks shapes a few percent
-apart by noise, so a winner that is not the table's current pick is timed again against it,
-interleaved, and replaces it only if its slowest round beats the current pick's fastest.
+few sequence lengths. The family's code knobs (`Family.tune_knobs`, such as the Hopper forward's
+exp2_fma) stay at their defaults for that pass; each is then tried on the best few shapes, which
+rank again with them. The specs with the best geometric mean over those lengths become one exact
+table entry, best first, with the numbers that chose them (a knob is named only where it is not
+at its default). One pass ranks shapes a few percent apart by noise, so a winner that is not the
+table's current pick is timed again against it, interleaved, and replaces it only if its slowest
+round beats the current pick's fastest.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 
 from . import bench, tuning
 from .reference import naive_attention
-from .spec import KernelSpec, SpecError
+from .spec import DEFAULTS, KernelSpec, SpecError
 
 TOP = 3  # shapes kept per entry: the best, and fallbacks for targets where it is not valid
 CONFIRM_ROUNDS = 3  # interleaved rounds of a new winner against the table's current pick
@@ -72,7 +75,7 @@ def problems(head_dims, dtypes, causals, arch: str, kinds=None) -> list[Problem]
 
 
 def candidates(problem: Problem) -> list[KernelSpec]:
-    """Every valid spec in the family's tuning space for this problem."""
+    """Every valid spec in the family's tuning space for this problem (its knobs at their defaults)."""
     from .families import family
 
     space = family(problem.kind).tune_space
@@ -86,6 +89,20 @@ def candidates(problem: Problem) -> list[KernelSpec]:
     return specs
 
 
+def knob_candidates(specs: list[KernelSpec]) -> list[KernelSpec]:
+    """The specs with each of their family's tuning knobs set to each of its other values, one knob at
+    a time (the valid ones)."""
+    found = []
+    for spec in specs:
+        for field, values in spec.family.tune_knobs.items():
+            for value in values:
+                try:
+                    found.append(spec.replace(**{field: value}))
+                except SpecError:
+                    continue
+    return list(dict.fromkeys(found))
+
+
 def entry_for(problem: Problem, tiles: list[dict], **extra) -> dict:
     return {
         "kind": problem.kind, "arch": problem.arch, "head_dim": problem.head_dim, "dtype": problem.dtype,
@@ -94,9 +111,11 @@ def entry_for(problem: Problem, tiles: list[dict], **extra) -> dict:
 
 
 def tiles_of(spec: KernelSpec) -> dict:
-    from .families import family
-
-    return {field: getattr(spec, field) for field in family(spec.kind).tune_space}
+    """What a table entry holds of a spec: its tile shape, and its knobs where they are not at their
+    defaults."""
+    family = spec.family
+    knobs = {field: getattr(spec, field) for field in family.tune_knobs if getattr(spec, field) != DEFAULTS[field]}
+    return {**{field: getattr(spec, field) for field in family.tune_space}, **knobs}
 
 
 def check(problem: Problem) -> str | None:
@@ -195,23 +214,22 @@ SEQLENS = (2048, 8192, 16384)
 
 
 def tune(found: list[Problem], seqlens=SEQLENS, jobs: int | None = None, progress=None, log=print) -> list[dict]:
-    """Measure every candidate of every problem; the table entries, one per problem that had a
-    candidate pass its check."""
+    """Measure every candidate of every problem, then the tuning knobs on the best shapes; the table
+    entries, one per problem that had a candidate pass its check."""
     from . import kernels
 
     def timed(problem, spec) -> list[float]:
         with tuning.override([entry_for(problem, [tiles_of(spec)])]):
             return [measure(problem, seqlen) for seqlen in seqlens]
 
-    entries = []
-    picks = {problem.label(): current_pick(problem) for problem in found}  # before any override
-    plans = [(problem, candidates(problem)) for problem in found]
-    failed = precompile(list(dict.fromkeys(s for _, specs in plans for s in specs)), jobs)
-    for spec, why in failed.items():
-        log(f"{spec.name}: does not compile ({why})")
-    plans = [(problem, [s for s in specs if s not in failed]) for problem, specs in plans]
-    task = progress.add_task("tuning", total=sum(len(c) for _, c in plans)) if progress else None
-    for problem, specs in plans:
+    def compiled(specs: list[KernelSpec]) -> list[KernelSpec]:
+        failed = precompile(specs, jobs)
+        for spec, why in failed.items():
+            log(f"{spec.name}: does not compile ({why})")
+        return [spec for spec in specs if spec not in failed]
+
+    def ranked(problem, specs) -> list[tuple]:
+        """(geometric mean, TFLOPS per length, spec) of each spec that passes its check."""
         results = []
         for spec in specs:
             try:
@@ -228,10 +246,25 @@ def tune(found: list[Problem], seqlens=SEQLENS, jobs: int | None = None, progres
                 results.append((statistics.geometric_mean(tflops), tflops, spec))
             if progress:
                 progress.advance(task)
+        return results
+
+    entries = []
+    picks = {problem.label(): current_pick(problem) for problem in found}  # before any override
+    plans = [(problem, candidates(problem)) for problem in found]
+    shapes = set(compiled(list(dict.fromkeys(s for _, specs in plans for s in specs))))
+    plans = [(problem, [s for s in specs if s in shapes]) for problem, specs in plans]
+    total = sum(len(c) for _, c in plans)
+    task = progress.add_task("tuning", total=total) if progress else None
+    for problem, specs in plans:
+        results = sorted(ranked(problem, specs), key=lambda r: -r[0])
+        knobs = compiled(knob_candidates([spec for _, _, spec in results[:TOP]]))
+        total += len(knobs)
+        if progress:
+            progress.update(task, total=total)
+        results = sorted(results + ranked(problem, knobs), key=lambda r: -r[0])
         if not results:
             log(f"{problem.label()}: no candidate passed; the table keeps its entry")
             continue
-        results.sort(key=lambda r: -r[0])
         best = settle(problem, results, picks[problem.label()], timed, log)[:TOP]
         log(f"{problem.label()}: " + ", ".join(f"{s.name} {mean:.0f}" for mean, _, s in best) + " TFLOPS (geometric mean)")
         entries.append(entry_for(

@@ -24,7 +24,7 @@ TABLE_PATH = Path(__file__).with_name("tuning.json")
 TABLE_ENV = "FLASHGEN_TUNING_TABLE"
 KEY_FIELDS = ("kind", "arch", "head_dim", "dtype", "causal", "bucket")
 OPTIONAL_FIELDS = ("varlen", "variant", "mask_rule")  # '*' where an entry leaves them out
-TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
+TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages", "persistent", "exp2_fma")  # what an entry's tiles may set
 SHORT_QUERY = 64  # at or below this many query rows, 64-row blocks waste less work
 
 # Backward: which kernels run. Up to head_dim 128 one key-major kernel keeps dK and dV in registers

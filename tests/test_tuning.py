@@ -177,3 +177,46 @@ def test_a_new_winner_replaces_the_tables_pick_only_beyond_the_noise(monkeypatch
     assert tune.settle(problem, results[::-1], pick, untimed, lines.append) == results[::-1]
     assert tune.settle(problem, results[:1], pick, untimed, lines.append) == results[:1]
     assert tune.confirmed([641, 640], [639, 600]) and not tune.confirmed([641, 620], [630, 600])
+
+
+def test_knobs_are_tried_on_the_best_shapes_and_kept_only_where_set():
+    problem = tune.Problem("fwd_sm90", 64, "bf16", True, "sm_90a", "long")
+    shapes = tune.candidates(problem)
+    assert shapes and all(spec.exp2_fma == 0 for spec in shapes)  # the shapes rank with knobs at their defaults
+    knobs = tune.knob_candidates(shapes[:2])
+    assert [spec.exp2_fma for spec in knobs] == [1, 2, 3, 1, 2, 3]
+    assert [spec.replace(exp2_fma=0) for spec in knobs] == [shapes[0]] * 3 + [shapes[1]] * 3
+    assert "exp2_fma" not in tune.tiles_of(shapes[0]) and tune.tiles_of(knobs[1])["exp2_fma"] == 2
+    with tuning.override([tune.entry_for(problem, [tune.tiles_of(knobs[1])])]):
+        assert tune.runs(problem, knobs[1])  # the table builds the knob back from its entry
+    assert tune.knob_candidates([KernelSpec(head_dim=64, kind="bwd_sm90_kvq", block_m=64, block_n=128)]) == []
+
+
+def test_tune_tries_the_knobs_on_its_best_shapes(monkeypatch):
+    """The shapes rank first (knobs at their defaults); the knobs then run on the best TOP of them,
+    and a knob that wins is in the entry."""
+    from flashgen import kernels
+
+    problem = tune.Problem("fwd_sm90", 128, "bf16", False, "sm_90a", "long")
+    shapes = tune.candidates(problem)
+    favourite = shapes[5]  # made fastest below, and fastest of all with exp2_fma = 2
+    timed = []
+
+    def shape_tflops(shape):
+        return 500.0 if shape == favourite else 400.0 - shapes.index(shape)
+
+    def fake_tflops(problem, seqlen):
+        spec = KernelSpec(head_dim=128, kind="fwd_sm90", **tuning._overrides[0]["tiles"][0])
+        timed.append(spec)
+        return shape_tflops(spec.replace(exp2_fma=0)) + {0: 0, 1: 5, 2: 20, 3: -10}[spec.exp2_fma]
+
+    monkeypatch.setattr(tune, "precompile", lambda specs, jobs=None: {})
+    monkeypatch.setattr(kernels, "get", lambda spec: None)
+    monkeypatch.setattr(tune, "check", lambda problem: None)
+    monkeypatch.setattr(tune, "runs", lambda problem, spec: True)
+    monkeypatch.setattr(tune, "measure", fake_tflops)
+    monkeypatch.setattr(tune.torch.cuda, "get_device_name", lambda: "test")
+    entries = tune.tune([problem], seqlens=(2048,), log=lambda line: None)
+    assert entries[0]["tiles"][0] == {**tune.tiles_of(favourite), "exp2_fma": 2}
+    best_shapes = sorted(shapes, key=shape_tflops, reverse=True)[: tune.TOP]
+    assert {spec.replace(exp2_fma=0) for spec in timed if spec.exp2_fma} == set(best_shapes)  # and no other shape

@@ -80,6 +80,9 @@ class Family:
     arguments: tuple[str, ...] = ()  # the launch's named arguments, from which parameters are computed
     forward = False  # a forward kernel: what attention() runs and `flashgen build` makes importable
     tune_space: dict[str, tuple] = {}  # the tile fields `flashgen tune` sweeps, and their values
+    # Code choices `flashgen tune` then tries on the best few tile shapes, one field at a time (the
+    # shapes are ranked with them at their defaults), and their values past the default.
+    tune_knobs: dict[str, tuple] = {}
 
     # ---- which specs ---------------------------------------------------------------------------
 

@@ -50,7 +50,8 @@ class HopperForward(Family):
     arguments = ("q", "k", "v", "o", "lse", "scale", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", *variants.ARGUMENTS)
     forward = True
     tune_space = {"block_m": (128, 192), "block_n": (64, 80, 96, 112, 128, 144, 160, 176), "num_stages": (2, 3),
-                  "persistent": (False, True), "exp2_fma": (0, 1, 2, 3)}
+                  "persistent": (False, True)}
+    tune_knobs = {"exp2_fma": (1, 2, 3)}
 
     @staticmethod
     def consumers(spec: KernelSpec) -> int:
