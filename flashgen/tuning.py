@@ -23,7 +23,7 @@ from .spec import KernelSpec, SpecError, check_head_dim
 TABLE_PATH = Path(__file__).with_name("tuning.json")
 TABLE_ENV = "FLASHGEN_TUNING_TABLE"
 KEY_FIELDS = ("kind", "arch", "head_dim", "dtype", "causal", "bucket")
-OPTIONAL_FIELDS = ("varlen", "variant", "mask_rule")  # '*' where an entry leaves them out
+OPTIONAL_FIELDS = ("varlen", "variant", "mask_rule", "softcap")  # '*' where an entry leaves them out
 TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages", "persistent", "exp2_fma")  # what an entry's tiles may set
 SHORT_QUERY = 64  # at or below this many query rows, 64-row blocks waste less work
 
@@ -76,7 +76,7 @@ def format_table(doc: dict) -> str:
     return f'{{\n "about": {json.dumps(doc["about"])},\n "entries": [\n{entries}\n ]\n}}\n'
 
 
-MATCHED = ("dtype", "causal", "bucket", "varlen", "variant", "mask_rule")
+MATCHED = ("dtype", "causal", "bucket", "varlen", "variant", "mask_rule", "softcap")
 
 
 def _matches(entry: dict, problem: dict) -> bool:
@@ -91,13 +91,15 @@ def _exactness(entry: dict) -> int:
 
 
 def candidates(kind: str, head_dim: int, dtype: str, causal: bool, arch: str, bucket: str, varlen: bool = False,
-               variant: bool = False, mask_rule: bool = False) -> list[dict]:
+               variant: bool = False, mask_rule: bool = False, softcap: bool = False) -> list[dict]:
     """Tile shapes for a problem, best first: the entries of the smallest bound, more exact first
     (overrides from `override` before all), then those of larger bounds as a fallback. `variant`:
     the kernel has an attention variant (entries with "variant": true are for those alone);
-    `mask_rule`: one of them is a user mask rule ("mask_rule": true)."""
+    `mask_rule` / `softcap`: one of them is a user mask rule / softcap ("mask_rule": true /
+    "softcap": true: softcap's tanh shares the exponentials' unit, which moves the forward's
+    exp2_fma)."""
     problem = {"kind": kind, "dtype": dtype, "causal": causal, "arch": arch, "bucket": bucket, "varlen": varlen,
-               "variant": variant, "mask_rule": mask_rule}
+               "variant": variant, "mask_rule": mask_rule, "softcap": softcap}
     entries = [e for e in _overrides + table()["entries"] if _matches(e, problem) and e["head_dim"] >= head_dim]
     entries.sort(key=lambda e: (e["head_dim"], e not in _overrides, -_exactness(e)))
     return [tiles for entry in entries for tiles in entry["tiles"]]
@@ -148,13 +150,14 @@ def _first_valid(kind, head_dim, dtype, causal, arch, bucket="long", varlen=Fals
     fields to set (the tiles are those of the plain kernel: a variant adds a few registers)."""
     check_head_dim(head_dim)  # a bad head dim is the problem, not the tiles
     error = None
-    mask_rule = "mask_mod" in variant_fields(variant)
-    for tiles in candidates(kind, head_dim, dtype, causal, arch, bucket, varlen, bool(variant), mask_rule):
+    fields = variant_fields(variant)
+    for tiles in candidates(kind, head_dim, dtype, causal, arch, bucket, varlen, bool(variant), "mask_mod" in fields,
+                            "softcap" in fields):
         if varlen and tiles.get("persistent"):
             tiles = {**tiles, "persistent": False}  # the varlen Hopper forward runs one tile per CTA
         try:
             return KernelSpec(head_dim=head_dim, dtype=dtype, causal=causal, arch=arch, kind=kind, **tiles,
-                              **({"varlen": True} if varlen else {}), **variant_fields(variant))
+                              **({"varlen": True} if varlen else {}), **fields)
         except SpecError as rejected:
             error = rejected
     raise SpecError(f"no {kind} tile shape fits head_dim={head_dim} on {arch}: {error or 'the tuning table has no entry'}")

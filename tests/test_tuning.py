@@ -157,6 +157,16 @@ def test_mask_rule_entries_apply_to_mask_rules_alone():
         {"block_m": 128, "block_n": 128, "num_stages": 2}
 
 
+def test_softcap_entries_apply_to_softcap_alone(table):
+    """An entry with "softcap": true (an exp2_fma for softcap's forward, say) goes first for a
+    softcap call, with or without other variants, and for no other call."""
+    plain = {"block_m": 128, "block_n": 128, "num_stages": 2}
+    table += [_entry("fwd_sm90", 128, [plain], arch="sm_90a"),
+              _entry("fwd_sm90", 128, [{**plain, "exp2_fma": 3}], arch="sm_90a", variant=True, softcap=True)]
+    for variant, share in (((), 0), (("alibi",), 0), (("softcap",), 3), (("window", "softcap"), 3)):
+        assert tuning.forward_spec(128, "bf16", True, "sm_90a", 8192, variant=variant).exp2_fma == share, variant
+
+
 def test_a_new_winner_replaces_the_tables_pick_only_beyond_the_noise(monkeypatch):
     """tune's ranking pass times each shape once; a winner that is not the table's pick is timed
     against it again, interleaved, and goes first only if its slowest round beats the pick's fastest."""
