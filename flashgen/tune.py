@@ -223,7 +223,7 @@ def tune(found: list[Problem], seqlens=SEQLENS, jobs: int | None = None, progres
             return [measure(problem, seqlen) for seqlen in seqlens]
 
     def compiled(specs: list[KernelSpec]) -> list[KernelSpec]:
-        failed = precompile(specs, jobs)
+        failed = precompile(specs, jobs) if specs else {}  # (no process pool for a family without knobs)
         for spec, why in failed.items():
             log(f"{spec.name}: does not compile ({why})")
         return [spec for spec in specs if spec not in failed]
