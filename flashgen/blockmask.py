@@ -91,7 +91,7 @@ class BlockMasks:
         kernel = kernels.get(spec)
         values = dict(states=states, seqlen_q=self.seqlen_q, seqlen_k=self.seqlen_k, batches=self.batches, heads=self.heads,
                       window_left=self.window[0], window_right=self.window[1], mask_mod_tensors=self.rule.arguments())
-        kernel.launch(self.device.index, **{name: values[name] for name in kernel.arguments})
+        kernel.launch(self.device.index, values)
         return states
 
     def _make(self, block_m: int, block_n: int, key_major: bool) -> Lists:

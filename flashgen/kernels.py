@@ -17,7 +17,8 @@ _lock = threading.Lock()
 
 class Kernel:
     """A compiled kernel: its spec, its image (loaded on each device on first use), its launch
-    geometry, and `launch(device, **arguments)` with the family's named arguments."""
+    geometry, and `launch(device, values)`, which takes the family's named arguments from a mapping
+    of the call's values."""
 
     def __init__(self, spec: KernelSpec, image: bytes):
         self.spec = spec
@@ -26,7 +27,7 @@ class Kernel:
         self.threads, self.smem = family.threads(spec), spec.smem_bytes
         self.dependent = family.dependent_launch(spec)
         self._pack = family.packer(spec)
-        self.arguments = self._pack.arguments  # the named arguments launch() takes
+        self.arguments = self._pack.arguments  # the named arguments launch() reads
         self._offsets = tuple(family.params(spec).offsets)
         self._module = runtime.Module(image, spec.name)
         self._functions: dict[int, object] = {}
@@ -40,10 +41,11 @@ class Kernel:
             function = self._functions[device] = self._module.function(device, self.spec.name, self.smem)
         return function
 
-    def launch(self, device: int, **arguments) -> None:
-        """Pack the parameters from the family's named arguments and launch on `device`'s stream."""
+    def launch(self, device: int, values) -> None:
+        """Pack the parameters from `values` (a mapping that holds at least `arguments`: the
+        family's named arguments) and launch on `device`'s stream."""
         slot = runtime.launch_slot()
-        x, y, z = self._pack(slot[0], **arguments)
+        x, y, z = self._pack(slot[0], values)
         function = self._functions.get(device) or self.function(device)
         pointers = slot[1].get(self._offsets) or runtime.param_pointers(slot, self._offsets)
         runtime.launch(function, x, y, z, self.threads, self.smem, device, slot, pointers, self.spec.name, self.dependent)

@@ -3,8 +3,9 @@ host-side packing are generated, so that the two cannot drift apart.
 
 Each parameter has a C type and a Python expression for its host value, written in terms of the
 launch's named arguments (`q`, `k`, `scale`, ...). `Params.packer()` turns the list into one small
-Python function that packs every value at its C offset (natural alignment; a `CUtensorMap` is 128
-bytes at a 64-byte boundary) and returns the grid size, so a call costs one `pack_into`:
+Python function that takes the arguments from a mapping of the call's values, packs every value at
+its C offset (natural alignment; a `CUtensorMap` is 128 bytes at a 64-byte boundary) and returns
+the grid size, so a call costs one `itemgetter` and one `pack_into`:
 
     params = Params(["q", "scale"], [*tensor("q"), scalar("scale_log2", "float", "scale * LOG2E")])
     params.signature()   # const elem_t* __restrict__ q, i64 q_batch, ..., float scale_log2
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import re
 import struct
+from operator import itemgetter
 from dataclasses import dataclass
 
 LOG2E = 1.4426950408889634
@@ -115,10 +117,14 @@ class Params:
         return [a for a in self.arguments if re.search(rf"\b{a}\b", text)]
 
     def packer_source(self, grid: str) -> str:
-        """Python source of `pack(buffer, <arguments>) -> (x, y, z)`: packs every value into
-        `buffer` in signature order and returns the grid (`grid`, an expression)."""
+        """Python source of `pack(buffer, values) -> (x, y, z)`: takes the arguments it reads from
+        `values` (a mapping that may hold more), packs every value into `buffer` in signature order
+        and returns the grid (`grid`, an expression)."""
         tensors = sorted({p.value.split("_stride[")[0] for p in self.params if "_stride[" in p.value})
-        lines = [f"def pack(buffer, {', '.join(self.used(grid))}):"]
+        used = self.used(grid)
+        lines = ["def pack(buffer, values):"]
+        if used:  # take = itemgetter(*used): one call for every argument (one name: the bare value)
+            lines.append(f"    {', '.join(used)} = take(values)")
         lines += [f"    {t}_stride = {t}.stride()" for t in tensors]
         lines.append("    pack_into(buffer, 0,")
         lines += [f"        {p.value},  # {p.name}" for p in self.params]
@@ -129,8 +135,10 @@ class Params:
     def packer(self, grid: str, helpers: dict | None = None):
         """The function packer_source describes, compiled; its `arguments` are the names it takes.
         `helpers` are functions the value expressions call."""
-        namespace = {"pack_into": self.struct.pack_into, "LOG2E": LOG2E, **(helpers or {})}
+        used = self.used(grid)
+        take = itemgetter(*used) if used else None
+        namespace = {"pack_into": self.struct.pack_into, "take": take, "LOG2E": LOG2E, **(helpers or {})}
         exec(compile(self.packer_source(grid), "<flashgen packer>", "exec"), namespace)  # noqa: S102
         pack = namespace["pack"]
-        pack.arguments = tuple(self.used(grid))
+        pack.arguments = tuple(used)
         return pack

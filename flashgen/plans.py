@@ -9,6 +9,7 @@ warm call is one dictionary lookup and then its launches.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable
 
 import torch
@@ -38,7 +39,7 @@ class Launch:
     kernel: Kernel
 
     def run(self, device: int, values: dict) -> None:
-        self.kernel.launch(device, **{name: values[name] for name in self.kernel.arguments})
+        self.kernel.launch(device, values)
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,12 @@ class Convert:
 
     spec: KernelSpec
 
+    @cached_property
+    def read_back(self) -> Callable:  # the family's, looked up once (spec.family imports on each call)
+        return self.spec.family.dq_from_accum
+
     def run(self, device: int, values: dict) -> None:
-        self.spec.family.dq_from_accum(self.spec, values["dq_accum"], values["dq"])
+        self.read_back(self.spec, values["dq_accum"], values["dq"])
 
 
 @dataclass(frozen=True)
@@ -138,8 +143,9 @@ def _sum_dq(specs: list[KernelSpec], scratch: list, steps: list) -> None:
     adders = [spec for spec in specs if "dq_accum" in spec.family.params(spec).used(spec.family.grid(spec))]
     if adders:
         spec = adders[0]
-        scratch.append(Scratch("dq_accum", lambda values: spec.family.dq_accum_shape(spec, values), zeroed=True))
-        reader = spec.family.dq_reader(spec)
+        family = spec.family
+        scratch.append(Scratch("dq_accum", lambda values: family.dq_accum_shape(spec, values), zeroed=True))
+        reader = family.dq_reader(spec)
         steps.append(Launch(kernels.get(reader)) if reader else Convert(spec))
 
 

@@ -50,7 +50,7 @@ def test_offsets_follow_c_alignment_including_tensor_maps():
     assert params.struct.size == 196
     q = torch.zeros(2, 3, 5, 8)
     buffer = ctypes.create_string_buffer(params.struct.size)
-    params.packer("(1, 2, 3)")(buffer, q=q, m=bytes(range(128)), n=7)
+    params.packer("(1, 2, 3)")(buffer, dict(q=q, m=bytes(range(128)), n=7))
     assert struct.unpack_from("=Qqqqi", buffer) == (q.data_ptr(), 120, 40, 8, 7)
     assert buffer.raw[64:192] == bytes(range(128)) and struct.unpack_from("=f", buffer, 192) == (1.0,)
 
@@ -107,7 +107,7 @@ def test_forward_launch_packs_every_value_at_its_place(driver):
     k = torch.zeros(2, 200, 2, 64, dtype=torch.bfloat16).transpose(1, 2)
     v = torch.zeros(2, 2, 200, 64, dtype=torch.bfloat16)
     o, lse = torch.empty_like(q), torch.empty(2, 4, 300)
-    Kernel(spec, b"").launch(-1, q=q, k=k, v=v, o=o, lse=lse, scale=0.125)
+    Kernel(spec, b"").launch(-1, dict(q=q, k=k, v=v, o=o, lse=lse, scale=0.125))
 
     (launch,) = driver.launches
     assert launch["grid"] == (3, 4, 2) and launch["block"] == (128, 1, 1)
@@ -126,7 +126,7 @@ def test_forward_launch_packs_every_value_at_its_place(driver):
 def test_forward_without_lse_passes_a_null_pointer(driver):
     spec = KernelSpec(head_dim=64)
     q = torch.zeros(1, 1, 17, 64, dtype=torch.bfloat16)
-    Kernel(spec, b"").launch(-1, q=q, k=q, v=q, o=torch.empty_like(q), lse=None, scale=1.0)
+    Kernel(spec, b"").launch(-1, dict(q=q, k=q, v=q, o=torch.empty_like(q), lse=None, scale=1.0))
     assert unpack(spec, driver.launches[0]["params"])["lse"] == 0
 
 
@@ -141,7 +141,7 @@ def test_a_failed_launch_raises_with_the_kernel_name(driver, monkeypatch):
     driver.cuGetErrorName = error_name
     q = torch.zeros(1, 1, 17, 64, dtype=torch.bfloat16)
     with pytest.raises(runtime.CudaError, match=f"launching {spec.name} failed: CUDA_ERROR_INVALID_VALUE"):
-        Kernel(spec, b"").launch(-1, q=q, k=q, v=q, o=torch.empty_like(q), lse=None, scale=1.0)
+        Kernel(spec, b"").launch(-1, dict(q=q, k=q, v=q, o=torch.empty_like(q), lse=None, scale=1.0))
 
 
 @pytest.fixture
@@ -233,8 +233,8 @@ def test_tensor_maps_reach_the_kernel_whole_through_their_own_pointers(driver, m
     0x30 there, not at 0; the driver puts each parameter where the kernel has it."""
     from flashgen.families import hopper
 
-    monkeypatch.setattr(hopper, "_tensor_map", lambda t, rows: bytes([rows % 256]) * 64 + t.data_ptr().to_bytes(8, "little") * 8)
-    monkeypatch.setattr(hopper.HopperForward, "helpers", lambda self, spec: {"tensor_map": hopper._tensor_map})
+    fake_map = lambda t, rows: bytes([rows % 256]) * 64 + t.data_ptr().to_bytes(8, "little") * 8  # noqa: E731
+    monkeypatch.setattr(hopper.HopperForward, "helpers", lambda self, spec: {"tensor_map": fake_map})
     spec = KernelSpec(head_dim=128, block_m=128, block_n=96, causal=True, kind="fwd_sm90")
     q = torch.zeros(1, 2, 300, 128, dtype=torch.bfloat16)
     k = torch.zeros(1, 1, 300, 128, dtype=torch.bfloat16)
@@ -242,7 +242,7 @@ def test_tensor_maps_reach_the_kernel_whole_through_their_own_pointers(driver, m
     params = spec.family.params(spec)
     captured = {}
     monkeypatch.setattr(driver, "cuLaunchKernel", lambda *args: captured.setdefault("params", args[9]) and 0, raising=False)
-    Kernel(spec, b"").launch(-1, q=q, k=k, v=k, o=o, lse=None, scale=0.1)
+    Kernel(spec, b"").launch(-1, dict(q=q, k=k, v=k, o=o, lse=None, scale=0.1))
     pointers = captured["params"]
     assert len(pointers) == len(params.params)
     for param, pointer, (tensor, rows) in zip(params.params, pointers, [(q, 128), (k, 96), (k, 96), (o, 64)]):

@@ -243,7 +243,7 @@ def test_forward_launch_packs_offsets_totals_and_the_grid(driver):  # noqa: F811
     qkv = torch.zeros(317, 3, 4, 64, dtype=torch.bfloat16)  # a packed qkv projection: strided views
     q, k, v = qkv[:, 0], qkv[:260, 1, :2], qkv[:260, 2, :2]
     o, lse = torch.empty(317, 4, 64, dtype=torch.bfloat16), torch.empty(4, 317)
-    Kernel(spec, b"").launch(-1, q=q, k=k, v=v, o=o, lse=lse, scale=0.125, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=300)
+    Kernel(spec, b"").launch(-1, dict(q=q, k=k, v=v, o=o, lse=lse, scale=0.125, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=300))
     (launch,) = driver.launches
     assert launch["grid"] == (3, 4, 3)  # tiles of the longest sequence, heads, sequences
     values = unpack(spec, launch["params"])

@@ -175,7 +175,7 @@ class Family:
         }
 
     def packer(self, spec: KernelSpec):
-        """`pack(buffer, **arguments) -> blocks` for this spec's parameters (see Params.packer);
+        """`pack(buffer, values) -> blocks` for this spec's parameters (see Params.packer);
         specs whose parameters and grid read the same share one."""
         params, grid, helpers = self.params(spec), self.grid(spec), self.helpers(spec)
         key = (params.struct.format, params.packer_source(grid), tuple(helpers.items()))

@@ -23,10 +23,12 @@ MAX_ACCUMULATORS = {2: 200, 3: 128}
 RULE_MARGINS = {"mask_mod": 12, "score_mod": 20}
 
 
-def _tensor_map(t, box_rows, box_cols=64):
+def tensor_map_helper() -> dict:
+    """The packers' TMA descriptor encoder (runtime.tensor_map), imported when a packer is made:
+    the CLI imports the families and must not pay for torch."""
     from ..runtime import tensor_map
 
-    return tensor_map(t, box_rows, box_cols)
+    return {"tensor_map": tensor_map}
 
 
 _sm_counts: dict[int, int] = {}
@@ -133,7 +135,7 @@ class HopperForward(Family):
         ])
 
     def helpers(self, spec: KernelSpec) -> dict:
-        return {**super().helpers(spec), "tensor_map": _tensor_map, "sm_count": _sm_count}
+        return {**super().helpers(spec), **tensor_map_helper(), "sm_count": _sm_count}
 
     @staticmethod
     def _tiles(spec: KernelSpec) -> str:

@@ -64,7 +64,7 @@ from ..spec import SMEM_LIMIT, KernelSpec, SpecError
 from .backward import STATS_PAD, padded_varlen
 from .base import Family, block_mask_lists, check_backward_rule, check_rules_fixed_length
 from .forward import PACKED, sequences
-from .hopper import _tensor_map
+from .hopper import tensor_map_helper
 
 # dQ tiles leave a warpgroup in pieces of 64 query rows x 64 head-dim columns, each staged as two
 # TMA boxes of 64 rows x 32 fp32 (128 bytes, the widest a 128-byte swizzle takes) and added into
@@ -249,7 +249,7 @@ class HopperBackward(Family):
         ])
 
     def helpers(self, spec: KernelSpec) -> dict:
-        return {**super().helpers(spec), "tensor_map": _tensor_map}
+        return {**super().helpers(spec), **tensor_map_helper()}
 
     def grid(self, spec: KernelSpec) -> str:
         if spec.varlen:  # key tiles of the longest sequence, key/value heads, sequences
