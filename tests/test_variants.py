@@ -222,3 +222,4 @@ def test_the_sweep_holds_every_family_that_builds_variants():
 def test_variant_kernels_compile_without_spills(spec):
     binary = compile_source(spec, render(spec))
     assert binary.resources.spills == 0 and binary.resources.stack_frame == 0, binary.log
+    assert "serialized" not in binary.log, binary.log  # no wgmma made to wait for the one before it
