@@ -26,8 +26,7 @@ class Kernel:
         family = spec.family
         self.threads, self.smem = family.threads(spec), spec.smem_bytes
         self.dependent = family.dependent_launch(spec)
-        self._pack = family.packer(spec)
-        self.arguments = self._pack.arguments  # the named arguments launch() reads
+        self._pack = family.packer(spec)  # its .arguments: the named arguments launch() reads
         self._offsets = tuple(family.params(spec).offsets)
         self._module = runtime.Module(image, spec.name)
         self._functions: dict[int, object] = {}
@@ -42,8 +41,8 @@ class Kernel:
         return function
 
     def launch(self, device: int, values) -> None:
-        """Pack the parameters from `values` (a mapping that holds at least `arguments`: the
-        family's named arguments) and launch on `device`'s stream."""
+        """Pack the parameters from `values` (a mapping that holds at least the family's named
+        arguments the parameters read; it may hold more) and launch on `device`'s stream."""
         slot = runtime.launch_slot()
         x, y, z = self._pack(slot[0], values)
         function = self._functions.get(device) or self.function(device)

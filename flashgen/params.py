@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import re
 import struct
-from operator import itemgetter
 from dataclasses import dataclass
+from operator import itemgetter
 
 LOG2E = 1.4426950408889634
 # Bytes of kernel parameters a launch may pass (CUDA's long-standing limit; 32 KiB only on 12.1+).
