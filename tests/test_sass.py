@@ -87,3 +87,17 @@ def test_the_hopper_forward_runs_its_softmax_under_pv(spec, tmp_path):
     assert steps
     for under, after in steps:
         assert mufu(under, "EX2") >= spec.block_n // 2 and mufu(after, "EX2") == mufu(after, "TANH") == 0
+
+
+SUMMING = [spec for spec in BACKWARD if spec.kind == "bwd_sm90_kvq"]  # the kernels that add up dQ
+
+
+@pytest.mark.parametrize("spec", SUMMING, ids=lambda spec: spec.name)
+def test_the_hopper_backward_stages_dq_under_dk(spec, tmp_path):
+    """A step issues dV, dQ, then dK: once dV and dQ have landed, the dQ tile's staging (8 n8 tiles,
+    two 8-byte stores each) and its TMA reduction run while dK is still computed."""
+    instructions = sass(spec, tmp_path)
+    staged = [under for under, _ in between_waits(instructions) if any(op.startswith("STS.64") for op in under)]
+    assert len(staged) == 1, "no wait that leaves dK in flight before the dQ staging"
+    assert sum(op.startswith("STS.64") for op in staged[0]) == 16
+    assert any(op.startswith("UTMACMDFLUSH") for op in staged[0])  # the reduction is issued there too
