@@ -34,7 +34,11 @@ def main():
     cases = bench.rule_cases(batch, heads, seqlen)
     forwards = [dict(block_m=192, block_n=112, num_stages=2), dict(block_m=128, block_n=128, num_stages=2),
                 dict(block_m=192, block_n=112, num_stages=2, persistent=True),
-                dict(block_m=128, block_n=128, num_stages=2, persistent=True), dict(block_m=128, block_n=96, num_stages=2)]
+                dict(block_m=128, block_n=128, num_stages=2, persistent=True), dict(block_m=128, block_n=96, num_stages=2),
+                # three consumers for a score rule (192 x 112 has no registers for one), and
+                # exponentials on the FMA pipes: at d = 64 the multi-function unit bounds the softmax
+                dict(block_m=192, block_n=96, num_stages=2), dict(block_m=192, block_n=96, num_stages=2, exp2_fma=1),
+                dict(block_m=128, block_n=128, num_stages=2, exp2_fma=1), dict(block_m=128, block_n=128, num_stages=2, exp2_fma=2)]
     backwards = [dict(block_m=64, block_n=128, num_stages=2), dict(block_m=128, block_n=128, num_stages=2),
                  dict(block_m=128, block_n=64, num_stages=2), dict(block_m=64, block_n=128, num_stages=3)]
     for name, (causal, rule, _) in cases.items():
