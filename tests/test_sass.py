@@ -9,14 +9,19 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from flashgen import tuning
 from flashgen.compile import compile_source
 from flashgen.render import render
 from flashgen.spec import KernelSpec
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+import rules  # noqa: E402
 
 
 def _cuobjdump() -> str | None:
@@ -58,6 +63,12 @@ def mufu(ops: list[str], function: str) -> int:
 
 BACKWARD = [spec for spec in tuning.shipped_specs("sm_90a") if spec.kind.startswith("bwd_sm90") and spec.block_n == 128]
 BACKWARD += [tuning.backward_specs(d, "bf16", c, "sm_90a", False, variant=("softcap",))[0] for d, c in ((64, True), (128, False))]
+# mask rules at d = 64 (at d = 96 and 128 their test ahead of the wait made bwd_sm90_kv spill): one
+# that reads a tensor (documents) and one that does not (prefix-LM)
+_DOCUMENTS = rules.documents(torch.zeros(2, 300, dtype=torch.int32)).source
+BACKWARD += [spec for source, c in ((_DOCUMENTS, True), (rules.prefix_lm(64).source, False)) for det in (False, True)
+             for spec in tuning.backward_specs(64, "bf16", c, "sm_90a", det, variant=(("mask_mod", source),))
+             if spec.kind.startswith("bwd_sm90")]
 
 
 @pytest.mark.parametrize("spec", BACKWARD, ids=lambda spec: spec.name)
