@@ -112,3 +112,18 @@ def test_the_hopper_backward_stages_dq_under_dk(spec, tmp_path):
     assert len(staged) == 1, "no wait that leaves dK in flight before the dQ staging"
     assert sum(op.startswith("STS.64") for op in staged[0]) == 16
     assert any(op.startswith("UTMACMDFLUSH") for op in staged[0])  # the reduction is issued there too
+
+
+RULES = [(rules.documents(torch.zeros(2, 300, dtype=torch.int32)).source, True), (rules.prefix_lm(64).source, False)]
+RULE_SPECS = [tuning.forward_spec(64, "bf16", causal, "sm_90a", 4096, variant=(("mask_mod", source),)) for source, causal in RULES]
+RULE_SPECS += [tuning.backward_specs(64, "bf16", causal, "sm_90a", False, variant=(("mask_mod", source),))[0] for source, causal in RULES]
+
+
+@pytest.mark.parametrize("spec", RULE_SPECS, ids=lambda spec: spec.name)
+def test_a_mask_rule_is_tested_without_a_branch_per_element(spec, tmp_path):
+    """The rule is evaluated at clamped positions whether or not the mask already hides the element
+    (`|`, not `||`), so a partial tile's test has no branch per element and the loads of a rule that
+    reads a tensor are shared by the elements of a row or a key. A branch per element would leave
+    at least one divergence region (BSSY) per element of a thread's tile."""
+    elements = (spec.block_n if spec.kind == "fwd_sm90" else spec.block_m) // 2
+    assert sum(op.startswith("BSSY") for op in sass(spec, tmp_path)) < elements
