@@ -42,7 +42,7 @@ def sass(spec: KernelSpec, tmp_path) -> list[str]:
     path.write_bytes(compile_source(spec, render(spec)).cubin)
     env = {**os.environ, "PATH": f"{Path(CUOBJDUMP).parent}{os.pathsep}{os.environ.get('PATH', '')}"}  # where nvdisasm is
     text = subprocess.run([CUOBJDUMP, "-sass", str(path)], capture_output=True, text=True, check=True, env=env).stdout
-    return re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][^;]*);", text)
+    return re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][^;]*);", text)
 
 
 def between_waits(instructions: list[str]) -> list[tuple[list[str], list[str]]]:
