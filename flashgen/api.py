@@ -324,7 +324,7 @@ def call(q, k, v, causal, scale, return_lse, deterministic, spec: KernelSpec | N
                 f"{spec.name} takes head_dim={spec.head_dim} {spec.dtype}; got head_dim="
                 f"{q.shape[-1]} {DTYPES[q.dtype]}"
             )
-        wanted = variants.Variant(*variant[:3], variant[3] is not None).fields if variant else {}
+        wanted = dict.fromkeys(variants.Variant(*variant[:3], variant[3] is not None).fields if variant else (), True)
         wanted.update({field: source for field, source in zip(("score_mod", "mask_mod"), variant[4::2]) if source})
         have = {field: getattr(spec, field) for field in (*variants.FIELDS, "score_mod", "mask_mod") if getattr(spec, field)}
         if have != wanted:

@@ -653,7 +653,7 @@ def variant_fields(q, causal: bool, kwargs: dict) -> tuple[str, ...]:
 
     chosen = variants.make(causal, kwargs.get("window_size", (-1, -1)), kwargs.get("softcap", 0.0),
                            kwargs.get("alibi_slopes"), q.shape[0], q.shape[1], q.device)
-    return tuple(chosen.fields)
+    return chosen.fields
 
 
 def _flashgen(kwargs: dict):

@@ -263,7 +263,7 @@ def attention_with_kvcache(
     if variant.window and min(variant.window_left, variant.window_right) >= 0:
         keys = min(keys, seqlen_q + variant.window_left + variant.window_right)  # the most one block's windows see
     plan, splits = plans.decode(device, head_dim, q.dtype, paged, seqlen_q * (heads // k_cache.shape[2]), batch,
-                                k_cache.shape[2], keys, num_splits, () if variant is variants.PLAIN else tuple(variant.fields))
+                                k_cache.shape[2], keys, num_splits, variant.fields)
     plan.run(device, launch_values(q, k_cache, v_cache, k, v, cache_seqlens, block_table, capacity, seqlen_new, o, lse,
                                    splits, causal, scale, variant, alibi_slopes))
     return (o, lse) if return_softmax_lse else o
@@ -287,7 +287,7 @@ def launch_values(q, k_cache, v_cache, k, v, cache_seqlens, block_table, capacit
         "batch": batch, "seqlen_q": seqlen_q, "heads": heads, "kv_heads": k_cache.shape[2], "seqlen_new": seqlen_new,
         "splits": splits, "causal": bool(causal), "scale": scale,
     }
-    if variant is not variants.PLAIN:  # (a variant equal to PLAIN only passes values its kernel ignores)
+    if variant.fields:
         values.update(variant.values(), alibi_slopes=alibi_slopes)
     if block_table is not None:
         page_size = k_cache.shape[1]

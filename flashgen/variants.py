@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 from .params import Param, pointer, scalar
 
@@ -37,11 +38,12 @@ class Variant:
     def window(self) -> bool:
         return (self.window_left, self.window_right) != (-1, -1)
 
-    @property
-    def fields(self) -> dict:
-        """The spec fields this variant sets (only those that are on: the plain spec stays plain)."""
+    @cached_property
+    def fields(self) -> tuple[str, ...]:
+        """The spec fields this variant sets (only those that are on: the plain spec stays plain).
+        Kept once computed: a decode step reads it on every call."""
         on = {"window": self.window, "softcap": self.softcap > 0, "alibi": self.alibi}
-        return {field: True for field, value in on.items() if value}
+        return tuple(field for field, value in on.items() if value)
 
     def values(self) -> dict:
         """The kernels' named arguments, less the slopes tensor."""
