@@ -260,6 +260,9 @@ class HopperBackward(Family):
         return {**super().context(spec), "wgmma": True, "has_dq": self.has_dq(spec), "stats_pad": STATS_PAD,
                 "head_dim_pad": self.head_dim_pad(spec), "split": self.split(spec), "do_stages": self.do_stages(spec),
                 "capped_first": capped_first(spec),
+                # finish_before_wait after P^T: with a mask rule's per-element test ahead of the dP^T
+                # wait too, bwd_sm90_kv spilled at d = 96 and 128 (CPU compile sweep)
+                "p_under_dp": not spec.mask_mod or self.head_dim_pad(spec) <= 64,
                 **(block_mask_lists(key_major=True) if spec.mask_mod else {})}
 
     # ---- the dQ accumulator --------------------------------------------------------------------
