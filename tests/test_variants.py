@@ -151,8 +151,7 @@ def test_a_bf16_cap_alone_lets_the_softmax_shift_by_a_constant(which):
     for other in others:
         assert "shift_is_fixed" not in render(other), other.name
     if forward and spec.dtype == "bf16":
-        bound = float(re.search(r"return scale_log2 <= ([\d.]+)f;", source).group(1))
-        top = float(re.search(r"fmaxf\(0.f, 1.f - __fdividef\(([\d.]+)f, scale_log2\)\)", source).group(1))
+        bound, top = map(float, re.search(r"FIXED_SHIFT_BOUND = ([\d.]+)f, FIXED_SHIFT_TOP = ([\d.]+)f;", source).groups())
         for a in (1.0, top, bound):  # a = softcap * log2 e; the shift c = max(0, a - top)
             c = max(0.0, a - top)
             assert -a - c >= -82 and a - c <= 64
