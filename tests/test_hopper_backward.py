@@ -161,8 +161,8 @@ def test_the_split_layout_hands_the_score_derivative_over():
     """With softcap (a derivative) warpgroup 1 hands P^T d(logit)/d(s) to warpgroup 2, tile by tile
     once warpgroup 2 has released the last step's (the P_EMPTY mbarrier); with ALiBi (derivative 1) it
     hands P^T itself; a plain spec renders no score piece. The block_n=128 layout puts the derivative
-    into dS^T in the pass that makes P^T, after both score products; with softcap alone, tanh has
-    made S^T the capped values in place between the two waits."""
+    into dS^T in the pass that makes P^T, after both score products; with softcap alone, tanh, P^T
+    and P^T (1 - u^2) are made between the two waits, P^T leaving as dV's operand there."""
     base = KernelSpec(kind="bwd_sm90_kvq", head_dim=128, block_m=64, block_n=64, causal=True)
     capped, alibi = render(base.replace(softcap=True)), render(base.replace(alibi=True))
     assert "handed[e] = p * grad;" in capped and "struct Score" in capped
@@ -178,10 +178,12 @@ def test_the_split_layout_hands_the_score_derivative_over():
     assert "dp[nt][e] = p * grad * (dp[nt][e]" in ruled
     assert "wgmma_wait<0>" in before_scores(ruled) and "wgmma_wait<1>" not in before_scores(ruled)
     whole = render(base.replace(block_n=128, softcap=True))
-    steps = before_scores(whole)
-    assert "dp[nt][e] = p * grad * (dp[nt][e]" in whole and "const float u = s[nt][e], grad = 1.f - u * u;" in whole
-    assert (steps.index("wgmma_wait<1>") < steps.index("s[nt][e] = score(s[nt][e],") < steps.index("finish_before_wait(s);")
-            < steps.index("wgmma_wait<0>"))
+    step = whole.split("for (int step = 0;")[2]
+    assert "dp[nt][e] = p * grad * (dp[nt][e]" not in whole and "grad = 1.f - u * u;" in whole
+    assert (step.index("wgmma_wait<1>") < step.index("s[nt][e] = p * grad;") < step.index("p_a[nt / 2][(nt % 2) * 2] = pack2(")
+            < step.index("finish_before_wait(s);") < step.index("wgmma_wait<0>")
+            < step.index("dp[nt][e] = s[nt][e] * (dp[nt][e] - (e & 1 ? dlt.y : dlt.x));"))
+    assert "a_operand(p_a[kk]" not in step  # P^T left as dV's operand before the wait
 
 
 def _staged_piece(piece: torch.Tensor) -> torch.Tensor:

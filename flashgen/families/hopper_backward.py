@@ -79,10 +79,10 @@ SCORE_REGISTERS = 16
 
 
 def capped_first(spec: KernelSpec) -> bool:
-    """Softcap as the only score piece in the block_n=128 layout: tanh turns S^T into the capped
-    values in place while dP^T is computed, and the exponentials and the derivative 1 - u^2 come
-    from those values once dP^T has landed, so no tile beside the accumulators is held (the
-    layout's registers are the plain kernel's)."""
+    """Softcap as the only score piece in the block_n=128 layout: while dP^T is computed, tanh and
+    the exponentials turn S^T into P^T (1 - u^2) (u the capped value; its derivative folded in) and
+    P^T leaves at once as dV's 16-bit operand, 8 registers per 16 queries; once dP^T has landed,
+    dS^T = S^T (dP^T - delta) as without a cap. No fp32 tile beside the accumulators is held."""
     return spec.softcap and not spec.alibi and not spec.score_mod and spec.block_n == 128
 
 
