@@ -226,6 +226,16 @@ VARIANT_SPECS = list(dict.fromkeys(
 ))
 VARIANT_SPECS += [spec.replace(persistent=True) for spec in VARIANT_SPECS
                   if spec.kind == "fwd_sm90" and spec.causal and not spec.varlen]
+# Gemma-2-style layers (softcap beside a window) and softcap over packed sequences, at the head dims
+# around where the Hopper backward's block_n = 128 layout stops having registers for them.
+VARIANT_SPECS += list(dict.fromkeys(
+    spec
+    for head_dim in (64, 96, 128)
+    for causal in (False, True)
+    for fields, varlen in ((("window", "softcap"), False), (("softcap",), True))
+    for spec in variant_picks("sm_90a", head_dim, causal, fields, varlen)
+    if spec not in VARIANT_SPECS
+))
 # The decode kernels with every variant on: contiguous and paged caches, both row counts.
 VARIANT_SPECS += list(dict.fromkeys(
     tuning.decode_spec(head_dim, "bf16", arch, paged, rows, ALL)

@@ -150,11 +150,14 @@ class HopperBackward(Family):
             held, holds = pad + spec.block_m, "dV, dK, S^T, dP^T"
         # a mask rule's test or softcap's tanh over 128 queries a step (64 scores a thread) spilled at d = 64
         wide_scores = (spec.mask_mod or spec.softcap) and spec.block_m == 128
-        score_tile = (spec.softcap and not capped_first(spec)) or spec.score_mod
+        # softcap's P^T operand held across the dP^T wait, beside a window's or varlen's per-element
+        # tests: 8-32 bytes spilled at d = 96 and 128 (CPU compile sweep)
+        masked_cap = capped_first(spec) and (spec.window or spec.varlen)
+        score_tile = (spec.softcap and not capped_first(spec)) or spec.score_mod or masked_cap
         if (score_tile or wide_scores) and not self.split(spec) and held + SCORE_REGISTERS > 192:
             raise SpecError(
-                f"block_m={spec.block_m}, head_dim={spec.head_dim}: with a score_mod, softcap beside ALiBi, or (at block_m=128) "
-                f"softcap or a mask_mod a block_n=128 "
+                f"block_m={spec.block_m}, head_dim={spec.head_dim}: with a score_mod, softcap beside ALiBi, a window or varlen, or "
+                f"(at block_m=128) softcap or a mask_mod a block_n=128 "
                 f"consumer thread needs {SCORE_REGISTERS} registers more than its {held} fp32 accumulators ({holds}), past "
                 f"the 192 that fit; use block_m=64 (at head_dim <= 64) or block_n=64 (the split layout)"
             )
