@@ -120,14 +120,16 @@ def test_softcap_lse_is_of_the_capped_scores():
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_softcap_at_saturation(causal, softcap, seqlen_q):
     """bf16 caps up to ~50.6 shift by a constant, not by the running row max (templates/softmax.cuh.j2):
-    rows whose logits all sit near +softcap, rows whose logits all sit near -softcap (the constant is
-    furthest from their max there), and, causal with Tq > Tk, rows that see no key."""
+    rows whose logits all sit at +softcap (exp2 near 2^64), rows at -softcap (near 2^-80: the
+    constant is furthest from their max there), and, causal with Tq > Tk, rows that see no key.
+    The scores saturate tanh outright, so its approximation error (2^-11 relative, times the cap)
+    moves every logit of a row alike; the lse carries it, hence its tolerance."""
     gen = torch.Generator(device="cuda").manual_seed(int(softcap) + seqlen_q)
     head_dim, seqlen_k = 128, 300 if seqlen_q > 16 else 700
     u = torch.randn(head_dim, device="cuda", generator=gen)
     k = u + 0.3 * torch.randn(2, 2, seqlen_k, head_dim, device="cuda", generator=gen)
     sign = torch.where(torch.arange(seqlen_q, device="cuda") % 2 == 0, 1.0, -1.0)[:, None]
-    q = 15 * sign * u + 0.3 * torch.randn(2, 4, seqlen_q, head_dim, device="cuda", generator=gen)
+    q = 60 * sign * u + 0.3 * torch.randn(2, 4, seqlen_q, head_dim, device="cuda", generator=gen)  # |s * scale| > 9 softcap
     v = torch.randn(2, 2, seqlen_k, head_dim, device="cuda", generator=gen)
     q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
     variant = dict(softcap=softcap)
@@ -136,7 +138,7 @@ def test_softcap_at_saturation(causal, softcap, seqlen_q):
     assert ref_lse[..., 0::2][seen[..., 0::2]].min() > softcap - 1 and ref_lse[..., 1::2][seen[..., 1::2]].max() < -softcap + 8
     check(q, k, v, causal, variant, grad=False)
     _, lse = flashgen.attention(q, k, v, causal=causal, return_lse=True, **variant)
-    assert torch.equal(lse.isinf(), ref_lse.isinf()) and (lse - ref_lse).nan_to_num(0.0).abs().max().item() < 1e-2
+    assert torch.equal(lse.isinf(), ref_lse.isinf()) and (lse - ref_lse).nan_to_num(0.0).abs().max().item() < softcap * 2**-11 + 1e-3
 
 
 def test_variant_kernels_are_the_tables_tiles_with_the_variant_set():
