@@ -116,14 +116,13 @@ def test_softcap_lse_is_of_the_capped_scores():
 
 
 @pytest.mark.parametrize("seqlen_q", (16, 555), ids=("short_query", "long_query"))  # the mma.sync and Hopper forwards
-@pytest.mark.parametrize("softcap", (50.0, 51.0), ids=("fixed_shift", "running_max"))
+@pytest.mark.parametrize("softcap", (30.0, 50.0))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_softcap_at_saturation(causal, softcap, seqlen_q):
-    """bf16 caps up to ~50.6 shift by a constant, not by the running row max (templates/softmax.cuh.j2):
-    rows whose logits all sit at +softcap (exp2 near 2^64), rows at -softcap (near 2^-80: the
-    constant is furthest from their max there), and, causal with Tq > Tk, rows that see no key.
-    The scores saturate tanh outright, so its approximation error (2^-11 relative, times the cap)
-    moves every logit of a row alike; the lse carries it, hence its tolerance."""
+    """Rows whose logits all sit at +softcap, rows at -softcap, and, causal with Tq > Tk, rows that
+    see no key, around Gemma 2's cap. The scores saturate tanh outright, so its approximation error
+    (2^-11 relative, times the cap) moves every logit of a row alike; the lse carries it, hence its
+    tolerance."""
     gen = torch.Generator(device="cuda").manual_seed(int(softcap) + seqlen_q)
     head_dim, seqlen_k = 128, 300 if seqlen_q > 16 else 700
     u = torch.randn(head_dim, device="cuda", generator=gen)

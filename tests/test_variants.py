@@ -2,8 +2,6 @@
 specs that carry them, code that holds each variant only when its spec asks, and every family that
 builds them compiling them without spills."""
 
-import re
-
 import pytest
 import torch
 
@@ -131,30 +129,6 @@ def test_the_backward_multiplies_the_caps_derivative_into_ds_and_alibi_does_not(
     softcap, alibi = (render(tuning.tuned_spec("bwd_kvq", 64, "bf16", False, "sm_80", (field,))) for field in ("softcap", "alibi"))
     assert "* grad;" in softcap
     assert "grad" not in alibi.split("struct Score")[1].split("\n};")[1]
-
-
-@pytest.mark.parametrize("which", range(len(picks())), ids=[spec.name for spec in picks()])
-def test_a_bf16_cap_alone_lets_the_softmax_shift_by_a_constant(which):
-    """Only where the logits are bounded (softcap, and no ALiBi or score rule after it) and P is bf16
-    does the softmax test for the fixed shift; and the shift it takes keeps every exp2 in [2^-82,
-    2^64] up to the cap it accepts (templates/softmax.cuh.j2)."""
-    spec = picks(("softcap",))[which]
-    source = render(spec)
-    forward = spec.kind in ("fwd", "fwd_sm90") or spec.kind.startswith("decode")
-    assert ("shift_is_fixed(scale_log2)" in source) == (forward and spec.dtype == "bf16")
-    rule = ScoreMod("score", lambda score, b, h, q, kv: score, grad="1.f").source
-    others = [picks(("softcap", "alibi"))[which], spec.replace(dtype="fp16")]
-    try:
-        others.append(spec.replace(score_mod=rule))
-    except SpecError:  # a family or layout without score rules
-        pass
-    for other in others:
-        assert "shift_is_fixed" not in render(other), other.name
-    if forward and spec.dtype == "bf16":
-        bound, top = map(float, re.search(r"FIXED_SHIFT_BOUND = ([\d.]+)f, FIXED_SHIFT_TOP = ([\d.]+)f;", source).groups())
-        for a in (1.0, top, bound):  # a = softcap * log2 e; the shift c = max(0, a - top)
-            c = max(0.0, a - top)
-            assert -a - c >= -82 and a - c <= 64
 
 
 def test_softcap_changes_the_softmax_scale_the_host_passes():
