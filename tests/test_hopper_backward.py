@@ -119,8 +119,8 @@ def test_score_variants_run_the_split_layout_and_windows_keep_theirs(head_dim):
     alone (its tanh in place under dP^T) takes the block_n=128 layout with 64 queries a step up to
     d = 128; beside ALiBi, and score rules, take it at d = 64 (block_m=64, where the registers leave
     room) and the split one above; a window or ALiBi alone keeps the plain tiles; a mask rule takes
-    the block_n=128 layout with 64 queries a step (at 128 its per-element test spilled at d = 64)
-    up to d = 128."""
+    the block_n=128 layout up to d = 128, with the plain tiles' 128 queries a step at d = 64 (its
+    per-element test is a bit mask made before the exponentials, so it fits beside them)."""
     plain = tuning.backward_specs(head_dim, "bf16", True, "sm_90a", False)[0]
     for deterministic in (False, True):
         capped = tuning.backward_specs(head_dim, "bf16", True, "sm_90a", deterministic, variant=("softcap",))[0]
@@ -137,19 +137,24 @@ def test_score_variants_run_the_split_layout_and_windows_keep_theirs(head_dim):
     for deterministic in (False, True):
         rule = tuning.backward_specs(head_dim, "bf16", True, "sm_90a", deterministic, variant=(("mask_mod", MASK_RULE.source),))
         assert rule[0].kind == ("bwd_sm90_kv" if deterministic else "bwd_sm90_kvq")
-        assert (rule[0].block_m, rule[0].block_n) == ((64, 128) if head_dim <= 128 else (64, 64))
+        assert (rule[0].block_m, rule[0].block_n) == ((128 if head_dim == 64 else 64, 128) if head_dim <= 128 else (64, 64))
+        if head_dim == 64:
+            assert (rule[0].block_m, rule[0].block_n) == (plain.block_m, plain.block_n)
         assert [s.kind for s in rule[1:]] == (["bwd_q"] if deterministic else [])
 
 
 def test_the_hopper_backward_walks_a_mask_rules_lists_per_key_tile():
     """Steps come from the key-major lists (per query head of the group: a rule may read h); the
-    rule's per-element test runs in tiles the lists do not mark full; a plain spec has none of it."""
+    rule's per-element test runs in tiles the lists do not mark full (in the block_n=128 layout into
+    a bit mask first); a plain spec has none of it."""
     spec = tuning.backward_specs(128, "bf16", False, "sm_90a", False, variant=(("mask_mod", MASK_RULE.source),))[0]
     source = render(spec)
     assert "for (int g = 0; g < kv_group; ++g) steps += listed(kv_head * kv_group + g).tiles(n_block);" in source
     assert source.count("locate(step, head, m0);") == 2  # the producer and the consumers
     assert "const bool partial = !listed(head).full(n_block, m0 / BLOCK_M);" in source
-    assert "rule.hides(batch, head, m0 + col + (e & 1), key0 + (e / 2) * 8)" in source
+    # a bit per score, made before the exponentials and tested among them
+    assert "if (mask.hides(query, key) | rule.hides(batch, head, query, key)) kept[nt / 8] &= ~(1u << (nt % 8 * 4 + e));" in source
+    assert "if (!(kept[nt / 8] >> (nt % 8 * 4 + e) & 1)) p = 0.f;" in source
     assert "bm_count" in spec.family.params(spec).signature()
     split = render(spec.replace(block_m=128, block_n=64))
     assert split.count("locate(step, head, m0);") == 2 and split.count("rule.hides(") == 1  # the P^T side tests

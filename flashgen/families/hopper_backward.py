@@ -148,8 +148,9 @@ class HopperBackward(Family):
                 )
             # dV and dK (pad / 2 each), S^T and dP^T (block_m / 2 each).
             held, holds = pad + spec.block_m, "dV, dK, S^T, dP^T"
-        # a mask rule's test or softcap's tanh over 128 queries a step (64 scores a thread) spilled at d = 64
-        wide_scores = (spec.mask_mod or spec.softcap) and spec.block_m == 128
+        # softcap's tanh over 128 queries a step (64 scores a thread) spilled at d = 64 (a mask rule's
+        # test, branch-free since its `mask | rule`, fits: CPU compile sweep, tests/test_variants.py)
+        wide_scores = spec.softcap and spec.block_m == 128
         # softcap's P^T operand held across the dP^T wait, beside a window's or varlen's per-element
         # tests: 8-32 bytes spilled at d = 96 and 128 (CPU compile sweep)
         masked_cap = capped_first(spec) and (spec.window or spec.varlen)
@@ -157,7 +158,7 @@ class HopperBackward(Family):
         if (score_tile or wide_scores) and not self.split(spec) and held + SCORE_REGISTERS > 192:
             raise SpecError(
                 f"block_m={spec.block_m}, head_dim={spec.head_dim}: with a score_mod, softcap beside ALiBi, a window or varlen, or "
-                f"(at block_m=128) softcap or a mask_mod a block_n=128 "
+                f"(at block_m=128) softcap a block_n=128 "
                 f"consumer thread needs {SCORE_REGISTERS} registers more than its {held} fp32 accumulators ({holds}), past "
                 f"the 192 that fit; use block_m=64 (at head_dim <= 64) or block_n=64 (the split layout)"
             )
