@@ -400,10 +400,12 @@ def test_dependent_launches_wait_before_they_read(arch):
 
 def test_the_paged_decode_reads_its_block_table_a_tile_ahead():
     """Each tile's block-table entries are read while the tile before it is computed, so that no
-    copy waits on the table; the contiguous kernel has no table."""
+    copy waits on the table, one a 16-row group (its rows share a page); the contiguous kernel has
+    no table."""
     source = render(tuning.decode_spec(128, "bf16", "sm_90a", True, rows=4))
     assert "if (next + 1 < n_tiles) read_pages((t_begin + next + 1) * BLOCK_N, pages);" in source
-    assert "cache.row_in(pages[pass], pos, k_offset, v_offset)" in source
+    assert "if (j == 0) in_page = cache.row_in(pages[g], pos, k_offset, v_offset);" in source
+    assert source.count("cache.page_of(") == 1
     assert "read_pages" not in render(tuning.decode_spec(128, "bf16", "sm_90a", False, rows=4))
 
 
