@@ -409,6 +409,17 @@ def test_the_paged_decode_reads_its_block_table_a_tile_ahead():
     assert "read_pages" not in render(tuning.decode_spec(128, "bf16", "sm_90a", False, rows=4))
 
 
+@pytest.mark.parametrize("paged", (False, True))
+def test_tiles_of_cached_rows_copy_without_per_row_tests(paged):
+    """Each tile but the one that holds the sequence's end takes the copy path with no per-row
+    tests: its rows a row stride apart (within a 16-row group's page, paged)."""
+    source = render(tuning.decode_spec(128, "bf16", "sm_90a", paged, rows=4))
+    fast = source[source.index("if (n0 + BLOCK_N <= cached) {"):source.index("// The tile that holds the sequence's end")]
+    assert "j * ROWS_PER_PASS * cache.k_row" in fast and "return;" in fast
+    assert "pos < cached" not in fast and "k_new" not in fast and "seqlen_k" not in fast
+    assert ("cache.row_in(pages[g]" in fast) == paged
+
+
 def test_unsplit_decode_writes_o_directly(driver, stub_kernels, cpu_device):
     plan, splits = plans.decode(-1, 128, BF16, True, 4, 64, 8, 641)
     assert splits == 1 and len(plan.kernels) == 1 and not plan.scratch  # 512 blocks fill the GPU
