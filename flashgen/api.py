@@ -53,10 +53,11 @@ def _variant_values(q, k, causal, window_left=-1, window_right=-1, softcap=0.0, 
     return variant, values
 
 
-def forward_impl(q, k, v, causal: bool, scale: float, kernel: str, need_lse: bool = True, *variant):
+def forward_impl(q, k, v, causal: bool, scale: float, kernel: str, need_lse: bool = True, *variant, backward=None):
     """(o, lse) by the forward plan; lse is None when not needed (the kernel then skips it).
     `kernel` is the canonical text of the spec to run, or "" for the tables' choice; `variant` the
-    VARIANT_ARGS, already checked (none: plain)."""
+    VARIANT_ARGS, already checked (none: plain). `backward`: the deterministic flag of a backward
+    that will follow, whose kernels then start loading first (plans.warm_backward), or None."""
     batch, heads, seqlen_q, head_dim = q.shape
     o = torch.empty_like(q)
     lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device) if need_lse else None
@@ -70,6 +71,8 @@ def forward_impl(q, k, v, causal: bool, scale: float, kernel: str, need_lse: boo
     if variant and variant != PLAIN_ARGS:
         fields, more = _variant_values(q, k, causal, *variant)
         values.update(more)
+    if backward is not None:
+        plans.warm_backward(device, head_dim, q.dtype, causal, backward, kernel, fields)
     plans.forward(device, head_dim, q.dtype, causal, seqlen_q, kernel, fields).run(device, values)
     return o, lse
 
@@ -151,7 +154,7 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, kernel, deterministic, *variant):
-        output = forward_impl(q, k, v, causal, scale, kernel, True, *variant)
+        output = forward_impl(q, k, v, causal, scale, kernel, True, *variant, backward=deterministic)
         _setup_context(ctx, (q, k, v, causal, scale, kernel, deterministic, *variant), output)
         return output
 

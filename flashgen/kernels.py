@@ -2,17 +2,25 @@
 
 `get(spec)` is the only way a spec becomes a runnable Kernel: the memo, else a prebuilt kernel
 registered by flashgen.load(), else the cache (which compiles on a miss, unless FLASHGEN_NO_JIT).
+`prefetch(specs)` starts that in background threads for kernels a call will need soon (a training
+step's backward, while its forward compiles): NVRTC releases the GIL, so the compiles overlap, and
+`get` then waits for the one under way instead of starting another.
 """
 
 from __future__ import annotations
 
+import os
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from . import runtime
 from .spec import KernelSpec
 
 _loaded: dict[KernelSpec, Kernel] = {}
+_pending: dict[KernelSpec, Future] = {}
 _lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+_generation = 0  # moved by clear(): a prefetch started before it does not register its kernel
 
 
 class Kernel:
@@ -51,15 +59,40 @@ class Kernel:
 
 
 def get(spec: KernelSpec) -> Kernel:
-    """The loaded kernel for `spec`: from the memo, or from the cache (built on a miss)."""
+    """The loaded kernel for `spec`: from the memo, from a prefetch under way (its compile error,
+    if it failed), or from the cache (built on a miss)."""
     kernel = _loaded.get(spec)
     if kernel is None:
+        future = _pending.pop(spec, None)
+        if future is not None:
+            return future.result()
         from .cache import default_cache
 
-        artifact = default_cache().get(spec)
-        with _lock:
-            kernel = _loaded.setdefault(spec, Kernel(spec, artifact.cubin))
+        kernel = _load(spec, default_cache(), _generation)
     return kernel
+
+
+def _load(spec: KernelSpec, cache, generation: int) -> Kernel:
+    artifact = cache.get(spec)
+    with _lock:
+        if generation != _generation:  # cleared meanwhile: a kernel for the caller, not the memo
+            return Kernel(spec, artifact.cubin)
+        return _loaded.setdefault(spec, Kernel(spec, artifact.cubin))
+
+
+def prefetch(specs) -> None:
+    """Start loading (compiling on a cache miss) each of `specs` that is neither loaded nor under
+    way, in background threads, from the cache the process uses now."""
+    global _pool
+    from .cache import default_cache
+
+    cache = default_cache()
+    with _lock:
+        for spec in specs:
+            if spec not in _loaded and spec not in _pending:
+                if _pool is None:
+                    _pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="flashgen-compile")
+                _pending[spec] = _pool.submit(_load, spec, cache, _generation)
 
 
 def register(kernel: Kernel) -> Kernel:
@@ -69,6 +102,9 @@ def register(kernel: Kernel) -> Kernel:
 
 
 def clear() -> None:
-    """Forget every loaded kernel (tests; a cleared disk cache)."""
+    """Forget every loaded kernel and prefetch (tests; a cleared disk cache)."""
+    global _generation
     with _lock:
         _loaded.clear()
+        _pending.clear()
+        _generation += 1

@@ -136,17 +136,47 @@ def forward(device: int, head_dim: int, dtype: torch.dtype, causal: bool, seqlen
     return plan
 
 
+def _dq_adder(specs: list[KernelSpec]) -> KernelSpec | None:
+    """The backward kernel that adds dQ into an fp32 sum (a dq_accum parameter), if one does."""
+    return next((spec for spec in specs if "dq_accum" in spec.family.params(spec).used(spec.family.grid(spec))), None)
+
+
 def _sum_dq(specs: list[KernelSpec], scratch: list, steps: list) -> None:
     """Where a backward kernel adds dQ into an fp32 sum: the zeroed buffer in its family's layout,
     and the last step, which reads the sum back into dq (on the host, or by its family's reader
     kernel)."""
-    adders = [spec for spec in specs if "dq_accum" in spec.family.params(spec).used(spec.family.grid(spec))]
-    if adders:
-        spec = adders[0]
+    spec = _dq_adder(specs)
+    if spec is not None:
         family = spec.family
         scratch.append(Scratch("dq_accum", lambda values: family.dq_accum_shape(spec, values), zeroed=True))
         reader = family.dq_reader(spec)
         steps.append(Launch(kernels.get(reader)) if reader else Convert(spec))
+
+
+def _backward_kernels(device: int, head_dim: int, dtype: torch.dtype, causal: bool, deterministic: bool,
+                      forward_spec: str, variant: tuple, varlen: bool = False) -> tuple[KernelSpec, list[KernelSpec]]:
+    """The backward's prep and its kernels (the tables' choice) for the forward's target."""
+    arch = KernelSpec.from_json(forward_spec).arch if forward_spec else device_arch(device)
+    specs = tuning.backward_specs(head_dim, DTYPES[dtype], causal, arch, deterministic, varlen, variant=variant)
+    return tuning.backward_prep(head_dim, DTYPES[dtype], arch, **({"varlen": True} if varlen else {})), specs
+
+
+_warmed: set = set()
+
+
+def warm_backward(device: int, head_dim: int, dtype: torch.dtype, causal: bool, deterministic: bool, forward_spec: str,
+                  variant: tuple[str, ...] = (), varlen: bool = False) -> None:
+    """A forward that will be differentiated starts loading (compiling, the first time) the kernels
+    of its backward plan in the background (kernels.prefetch), once per plan, so that a training
+    step's first backward does not wait for compiles that could run beside the forward's."""
+    key = ("bwd_varlen" if varlen else "bwd", device, head_dim, dtype, causal, deterministic, forward_spec, variant)
+    if key in _plans or key in _warmed:
+        return
+    _warmed.add(key)
+    prep, specs = _backward_kernels(device, head_dim, dtype, causal, deterministic, forward_spec, variant, varlen)
+    adder = _dq_adder(specs)
+    reader = adder and adder.family.dq_reader(adder)
+    kernels.prefetch([prep, *specs, *([reader] if reader else [])])
 
 
 def _stats(values: dict) -> tuple:
@@ -163,9 +193,7 @@ def backward(device: int, head_dim: int, dtype: torch.dtype, causal: bool, deter
     key = ("bwd", device, head_dim, dtype, causal, deterministic, forward_spec, variant)
     plan = _plans.get(key)
     if plan is None:
-        arch = KernelSpec.from_json(forward_spec).arch if forward_spec else device_arch(device)
-        specs = tuning.backward_specs(head_dim, DTYPES[dtype], causal, arch, deterministic, variant=variant)
-        prep = tuning.backward_prep(head_dim, DTYPES[dtype], arch)
+        prep, specs = _backward_kernels(device, head_dim, dtype, causal, deterministic, forward_spec, variant)
         scratch = [Scratch("delta", _stats), Scratch("lse_log2", _stats)]
         steps = [Launch(kernels.get(spec)) for spec in [prep, *specs]]
         _sum_dq(specs, scratch, steps)
@@ -203,9 +231,7 @@ def backward_varlen(device: int, head_dim: int, dtype: torch.dtype, causal: bool
     key = ("bwd_varlen", device, head_dim, dtype, causal, deterministic, forward_spec, variant)
     plan = _plans.get(key)
     if plan is None:
-        arch = KernelSpec.from_json(forward_spec).arch if forward_spec else device_arch(device)
-        specs = tuning.backward_specs(head_dim, DTYPES[dtype], causal, arch, deterministic, varlen=True, variant=variant)
-        prep = tuning.backward_prep(head_dim, DTYPES[dtype], arch, varlen=True)
+        prep, specs = _backward_kernels(device, head_dim, dtype, causal, deterministic, forward_spec, variant, varlen=True)
         scratch = [Scratch("delta", _varlen_stats), Scratch("lse_log2", _varlen_stats)]
         steps = [Launch(kernels.get(spec)) for spec in [prep, *specs]]
         _sum_dq(specs, scratch, steps)
@@ -295,5 +321,6 @@ def merge(device: int, head_dim: int, dtype: torch.dtype) -> Plan:
 def clear() -> None:
     """Forget every plan (and the devices' targets): the next call picks again."""
     _plans.clear()
+    _warmed.clear()
     _arch.clear()
 

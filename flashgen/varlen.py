@@ -34,10 +34,11 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 def forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, causal: bool, scale: float, kernel: str,
                  need_lse: bool = True, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-                 alibi_slopes=None):
+                 alibi_slopes=None, backward=None):
     """(o, lse) by the varlen forward plan: o like q, lse (heads, total_q) fp32 or None when not
     needed. `kernel` is the canonical text of the spec to run, or "" for the tables' choice; the
-    variant arguments are flashgen.variants' (already checked)."""
+    variant arguments are flashgen.variants' (already checked). `backward`: the deterministic
+    flag of a backward that will follow, whose kernels then start loading first, or None."""
     total_q, heads, head_dim = q.shape
     o = torch.empty_like(q)
     lse = torch.empty(heads, total_q, dtype=torch.float32, device=q.device) if need_lse else None
@@ -48,6 +49,8 @@ def forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, causal:
     device = q.get_device()
     max_seqlen_q = min(max_seqlen_q, total_q)  # no sequence is longer than the packed tensor
     variant, values = _variant_values(q, k, causal, window_left, window_right, softcap, alibi_slopes)
+    if backward is not None:
+        plans.warm_backward(device, head_dim, q.dtype, causal, backward, kernel, variant, varlen=True)
     plan = plans.forward_varlen(device, head_dim, q.dtype, causal, max_seqlen_q, kernel, variant)
     plan.run(device, {
         "q": _aligned(q), "k": _aligned(k), "v": _aligned(v), "o": o, "lse": lse, "scale": scale,
@@ -138,8 +141,9 @@ class _EagerVarlen(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, _, causal, scale, kernel, _, *variant = inputs
-        output = forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale, kernel, True, *variant)
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, _, causal, scale, kernel, deterministic, *variant = inputs
+        output = forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale, kernel, True, *variant,
+                              backward=deterministic)
         _setup_context(ctx, inputs, output)
         return output
 

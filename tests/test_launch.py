@@ -250,3 +250,77 @@ def test_tensor_maps_reach_the_kernel_whole_through_their_own_pointers(driver, m
         assert ctypes.string_at(pointer, 128) == bytes([rows]) * 64 + tensor.data_ptr().to_bytes(8, "little") * 8
     seqlen_q = struct.unpack("=i", ctypes.string_at(pointers[5], 4))[0]
     assert seqlen_q == 300 and struct.unpack("=Q", ctypes.string_at(pointers[4], 8))[0] == 0  # lse: null
+
+
+@pytest.fixture
+def fresh_kernels(monkeypatch, tmp_path):
+    """An empty kernel memo and cache directory, and a count of the cache's loads by spec."""
+    from flashgen import cache
+
+    monkeypatch.setattr(kernels, "_loaded", {})
+    monkeypatch.setattr(kernels, "_pending", {})
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path))
+    loads = []
+    real_get = cache.KernelCache.get
+
+    def counted(self, spec, **kw):
+        loads.append(spec)
+        return real_get(self, spec, **kw)
+
+    monkeypatch.setattr(cache.KernelCache, "get", counted)
+    return loads
+
+
+def test_a_prefetched_kernel_is_compiled_once_and_get_returns_it(fresh_kernels):
+    spec = tuning.backward_prep(64, "bf16", "sm_90a")
+    kernels.prefetch([spec, spec])
+    kernels.prefetch([spec])  # already under way
+    kernel = kernels.get(spec)  # waits for the prefetch
+    assert kernel.spec == spec and kernels.get(spec) is kernel
+    assert fresh_kernels == [spec]
+    kernels.prefetch([spec])  # loaded: nothing to do
+    assert fresh_kernels == [spec] and not kernels._pending
+
+
+def test_a_failed_prefetch_raises_in_get_and_the_next_get_tries_again(fresh_kernels, monkeypatch):
+    from flashgen import cache
+
+    spec = tuning.backward_prep(64, "bf16", "sm_90a")
+    real_get = cache.KernelCache.get
+    monkeypatch.setattr(cache.KernelCache, "get", lambda self, spec, **kw: (_ for _ in ()).throw(RuntimeError("nvrtc failed")))
+    kernels.prefetch([spec])
+    with pytest.raises(RuntimeError, match="nvrtc failed"):
+        kernels.get(spec)
+    monkeypatch.setattr(cache.KernelCache, "get", real_get)
+    assert kernels.get(spec).spec == spec
+
+
+def test_a_prefetch_from_before_clear_leaves_the_memo_empty(fresh_kernels):
+    spec = tuning.backward_prep(64, "bf16", "sm_90a")
+    kernels.prefetch([spec])
+    future = kernels._pending[spec]
+    kernels.clear()
+    future.result()
+    assert spec not in kernels._loaded
+
+
+@pytest.mark.parametrize("varlen", (False, True))
+@pytest.mark.parametrize("deterministic", (False, True))
+def test_a_differentiated_forward_warms_its_backward_plan_once(monkeypatch, varlen, deterministic):
+    """warm_backward prefetches exactly the kernels the backward plan then runs (the varlen dQ
+    reader included), once per plan, and nothing once the plan exists."""
+    monkeypatch.setattr(plans, "_plans", {})
+    monkeypatch.setattr(plans, "_warmed", set())
+    monkeypatch.setitem(plans._arch, -1, "sm_90a")
+    asked = []
+    monkeypatch.setattr(kernels, "prefetch", lambda specs: asked.append(list(specs)))
+    for _ in range(2):
+        plans.warm_backward(-1, 128, torch.bfloat16, True, deterministic, "", (), varlen=varlen)
+    assert len(asked) == 1
+    monkeypatch.setattr(kernels, "get", lambda spec: Kernel(spec, b""))
+    build = plans.backward_varlen if varlen else plans.backward
+    plan = build(-1, 128, torch.bfloat16, True, deterministic, "")
+    assert asked[0] == [kernel.spec for kernel in plan.kernels]
+    monkeypatch.setattr(plans, "_warmed", set())
+    plans.warm_backward(-1, 128, torch.bfloat16, True, deterministic, "", (), varlen=varlen)
+    assert len(asked) == 1  # the plan exists
