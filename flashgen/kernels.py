@@ -101,6 +101,16 @@ def register(kernel: Kernel) -> Kernel:
         return _loaded.setdefault(kernel.spec, kernel)
 
 
+def _after_fork() -> None:
+    """A forked child has none of its parent's compile threads: it starts a pool of its own."""
+    global _pool
+    _pool = None
+    _pending.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
 def clear() -> None:
     """Forget every loaded kernel and prefetch (tests; a cleared disk cache)."""
     global _generation

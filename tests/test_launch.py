@@ -324,3 +324,24 @@ def test_a_differentiated_forward_warms_its_backward_plan_once(monkeypatch, varl
     monkeypatch.setattr(plans, "_warmed", set())
     plans.warm_backward(-1, 128, torch.bfloat16, True, deterministic, "", (), varlen=varlen)
     assert len(asked) == 1  # the plan exists
+
+
+def test_a_forked_child_prefetches_with_threads_of_its_own(fresh_kernels):
+    import multiprocessing
+
+    spec = tuning.backward_prep(64, "bf16", "sm_90a")
+    kernels.prefetch([spec])
+    kernels.get(spec)
+    kernels._pending[spec.replace(head_dim=128)] = None  # as if under way in the parent
+    child = multiprocessing.get_context("fork").Process(target=_prefetch_in_child)
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    kernels._pending.clear()
+
+
+def _prefetch_in_child():
+    spec = tuning.backward_prep(128, "bf16", "sm_90a")
+    assert not kernels._pending and kernels._pool is None
+    kernels.prefetch([spec])
+    assert kernels.get(spec).spec == spec
