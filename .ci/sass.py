@@ -20,7 +20,7 @@ OPCODES = ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "UBLKCP", "UBLKRED", "UTMAREDG
 specs = [tuning.forward_spec(d, "bf16", True, "sm_90a", 4096) for d in (64, 128)]
 specs += [s for d in (64, 128, 192, 256) for s in tuning.backward_specs(d, "bf16", True, "sm_90a", False)]
 specs += [tuning.decode_spec(128, "bf16", "sm_90a", paged, 4) for paged in (False, True)]
-specs.append(tuning.merge_spec("combine", 128, "bf16", "sm_90a"))
+specs.append(tuning.merge_spec("merge", 128, "bf16", "sm_90a"))
 with tempfile.TemporaryDirectory() as tmp:
     for spec in specs:
         path = Path(tmp) / f"{spec.name}.cubin"

@@ -517,7 +517,7 @@ def _sdpa_step(pin, q, k, v):
 
 
 def decode_rows(cases=DECODE_CASES, rate: float | None = None) -> list[dict]:
-    """GPU time per decode step (graph replay) of flashgen (append + attention (+ combine)),
+    """GPU time per decode step (graph replay) of flashgen (append, attention, the splits' merge),
     contiguous and paged, next to SDPA's FLASH and CUDNN and to the memory floor: the K and V bytes
     at the measured copy rate."""
     from . import plans

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from . import kernels, tuning
+from . import counters
 from .families import padded
 from .families.backward import padded_varlen
 from .families.decode import MAX_SPLITS
@@ -26,12 +27,14 @@ DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 @dataclass(frozen=True)
 class Scratch:
-    """A buffer the plan allocates per call: its shape from the call's values."""
+    """A buffer the plan allocates per call: its shape from the call's values. `counts`: int32
+    counts that the kernel leaves at zero, reused from flashgen/counters.py instead."""
 
     name: str
     shape: Callable[[dict], tuple]
     dtype: torch.dtype = torch.float32
     zeroed: bool = False
+    counts: bool = False
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,9 @@ class Plan:
         """Run every step on `device`'s current stream; `values` holds the call's named tensors and
         scalars, and gains the scratch buffers."""
         for buffer in self.scratch:
+            if buffer.counts:
+                values[buffer.name] = counters.for_launch(device, buffer.shape(values)[0], values["q"].device)
+                continue
             make = torch.zeros if buffer.zeroed else torch.empty
             values[buffer.name] = make(buffer.shape(values), dtype=buffer.dtype, device=values["q"].device)
         batch, heads = (0, 0) if self.whole else values["q"].shape[:2]
@@ -290,7 +296,7 @@ def decode(device: int, head_dim: int, dtype: torch.dtype, paged: bool, rows: in
     pick for `rows` packed query rows per KV head (with the variant fields `variant` names); with
     more than one split (`splits`, or 0 for num_splits' choice over `max_keys`, the keys a block
     may see: the cache's capacity plus the new keys, or fewer through a window), fp32 partials in
-    scratch and the combine kernel after it."""
+    scratch and the counts by which each row tile's last block knows to merge them."""
     key = ("decode", device, head_dim, dtype, paged, rows, batch, kv_heads, max_keys, splits, variant)
     found = _plans.get(key)
     if found is None:
@@ -300,11 +306,13 @@ def decode(device: int, head_dim: int, dtype: torch.dtype, paged: bool, rows: in
             batch * kv_heads * -(-rows // spec.block_m), -(-max_keys // spec.block_n),
             sm_count(device) * spec.family.blocks_per_sm(spec),
         )
-        steps, scratch = [Launch(kernels.get(spec))], []
+        scratch = []
         if chosen > 1:
-            steps.append(Launch(kernels.get(tuning.merge_spec("combine", head_dim, DTYPES[dtype], arch))))
-            scratch = [Scratch("partials", _partials)]
-        found = _plans[key] = (Plan(tuple(steps), tuple(scratch), whole=True), chosen)
+            # The counts: one per (sequence, KV head, row tile of the packed rows).
+            tiles = -(-rows // spec.block_m)
+            scratch = [Scratch("partials", _partials),
+                       Scratch("counters", lambda values: (values["batch"] * values["kv_heads"] * tiles,), torch.int32, counts=True)]
+        found = _plans[key] = (Plan((Launch(kernels.get(spec)),), tuple(scratch), whole=True), chosen)
     return found
 
 

@@ -90,6 +90,23 @@ _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
 )
 
 
+def capture_of(stream: int) -> int:
+    """The id of the CUDA graph capture under way on `stream` (a raw handle), or 0 when none is.
+    (The driver's three-argument cuStreamGetCaptureInfo, which every driver since CUDA 10 keeps.)"""
+    status, capture = _local_capture()
+    check(driver(), driver().cuStreamGetCaptureInfo(ctypes.c_void_p(stream), status[1], capture[1]), "cuStreamGetCaptureInfo")
+    return capture[0].value if status[0].value else 0
+
+
+def _local_capture():
+    """This thread's out-parameters of cuStreamGetCaptureInfo (status, id), each with its pointer."""
+    pair = getattr(_local, "capture", None)
+    if pair is None:
+        status, capture = ctypes.c_int(), ctypes.c_uint64()
+        pair = _local.capture = ((status, ctypes.byref(status)), (capture, ctypes.byref(capture)))
+    return pair
+
+
 def make_current(device: int) -> None:
     """Make `device`'s primary context (PyTorch's) current on this thread."""
     lib = driver()

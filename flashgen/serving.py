@@ -283,7 +283,7 @@ def launch_values(q, k_cache, v_cache, k, v, cache_seqlens, block_table, capacit
         "k_strides": NO_STRIDES if k is None else k.stride(), "v_strides": NO_STRIDES if v is None else v.stride(),
         "cache_seqlens": cache_seqlens if lengths else None, "cache_seqlens_stride": cache_seqlens.stride(0) if lengths else 0,
         "cache_len": capacity if cache_seqlens is None or lengths else cache_seqlens, "capacity": capacity,
-        "block_table": block_table, "o": o, "lse": lse, "partials": None,  # the scratch of a split plan replaces None
+        "block_table": block_table, "o": o, "lse": lse, "partials": None, "counters": None,  # a split plan's scratch replaces them
         "batch": batch, "seqlen_q": seqlen_q, "heads": heads, "kv_heads": k_cache.shape[2], "seqlen_new": seqlen_new,
         "splits": splits, "causal": bool(causal), "scale": scale,
     }
@@ -348,7 +348,7 @@ def _states(o_a, lse_a, o_b, lse_b):
 def merge_attention_states(o_a, lse_a, o_b, lse_b):
     """Merge two attention states of the same queries over disjoint sets of keys (split-KV,
     context parallelism, a cached prefix and a new suffix): lse = log(exp(lse_a) + exp(lse_b)) and
-    o = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b, computed in fp32 by the combine kernel family.
+    o = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b, computed in fp32 by the merge kernel.
 
     o_a, o_b: (..., head_dim) float16, bfloat16 or float32, normalized outputs; lse_a, lse_b:
     o.shape[:-1] fp32 log-sum-exps in natural log (FlashInfer's convention; any strides, so a

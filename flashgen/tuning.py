@@ -253,7 +253,7 @@ def shipped_varlen_specs(arch: str, head_dims=TEST_HEAD_DIMS) -> list[KernelSpec
 # ---- serving: attention_with_kvcache and merge_attention_states ----------------------------------
 
 DECODE_KINDS = ("decode", "decode_paged")
-MERGE_KINDS = ("combine", "merge", "merge_fp32")
+MERGE_KINDS = ("merge", "merge_fp32")
 DECODE_BLOCK_M = (16, 64)  # packed query rows of a decode block: one warp's 16, or 16 for each of 4 warps
 
 
@@ -281,8 +281,7 @@ def decode_spec(head_dim: int, dtype: str, arch: str, paged: bool, rows: int, va
 
 
 def merge_spec(kind: str, head_dim: int, dtype: str, arch: str) -> KernelSpec:
-    """The combine of split partials (kind "combine", into `dtype`), or the merge of two states of
-    `dtype` ("merge") or of fp32 ("merge_fp32", dtype unused)."""
+    """The merge of two states of `dtype` ("merge") or of fp32 ("merge_fp32", dtype unused)."""
     if kind == "merge_fp32":
         return KernelSpec(head_dim=head_dim, arch=arch, kind=kind)
     return KernelSpec(head_dim=head_dim, dtype=dtype, arch=arch, kind=kind)

@@ -11,7 +11,7 @@ import torch
 from test_launch import StubDriver, driver, stub_kernels, unpack  # noqa: F401  (fixtures)
 
 import flashgen
-from flashgen import plans, reference, serving, tuning
+from flashgen import counters, plans, reference, runtime, serving, tuning
 from flashgen.families.decode import MAX_SPLITS, PAGE_SIZES, fast_divisor
 from flashgen.render import render
 from flashgen.spec import KernelSpec, SpecError
@@ -27,11 +27,10 @@ def test_decode_spec_names_its_fields_and_layout():
     assert spec.name == "decode_paged_d128_m16_n64_bf16_w4_s3_sm90a"
     row = (128 + 8) * 2
     layout = spec.family.smem(spec)
-    assert layout.offsets == {"q": 0, "kv": 16 * row, "reduce": 0}
+    assert layout.offsets == {"q": 0, "kv": 16 * row, "reduce": 0, "merge": 0}  # the merges reuse the tiles' space
     assert spec.smem_bytes == 16 * row + 3 * 2 * 64 * row
     assert spec.family.warps_n(spec) == 4  # the 4 warps share the 16 rows and split each key tile
     assert KernelSpec(head_dim=64, kind="merge_fp32").name == "merge_fp32_d64_sm90a"
-    assert KernelSpec(head_dim=64, kind="combine", dtype="fp16").name == "combine_d64_fp16_sm90a"
 
 
 BAD = [
@@ -71,11 +70,12 @@ def test_every_serving_kind_has_a_spec_for_every_head_dim(arch):
 
 
 @pytest.mark.parametrize("spec", [tuning.decode_spec(128, "bf16", "sm_90a", True, 1), tuning.decode_spec(80, "fp16", "sm_80", False, 40),
-                                  tuning.merge_spec("combine", 256, "bf16", "sm_90a"), tuning.merge_spec("merge_fp32", 64, "bf16", "sm_80")],
+                                  tuning.merge_spec("merge", 256, "bf16", "sm_90a"), tuning.merge_spec("merge_fp32", 64, "bf16", "sm_80")],
                          ids=lambda spec: spec.name)
 def test_serving_kernels_hold_their_instructions(spec):
-    """What NVRTC emits (PTX): the decode streams K and V with 16-byte cp.async and multiplies with
-    mma.sync; nothing goes through local memory."""
+    """What NVRTC emits (PTX): the decode streams K and V with 16-byte cp.async, multiplies with
+    mma.sync, and merges its splits after an atomic count with loads from L2; nothing goes
+    through local memory."""
     from flashgen.compile import compile_ptx
     from flashgen.render import render
 
@@ -83,10 +83,11 @@ def test_serving_kernels_hold_their_instructions(spec):
     assert "ld.local" not in ptx and "st.local" not in ptx
     if spec.kind.startswith("decode"):
         for instruction in ("cp.async.cg.shared.global.L2::128B", "cp.async.wait_group", "mma.sync.aligned.m16n8k16.row.col.f32",
-                            "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "mul.hi.u32" if "paged" in spec.kind else "ld.global"):
+                            "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "mul.hi.u32" if "paged" in spec.kind else "ld.global",
+                            "atom.global.add.u32", "membar.gl", "ld.global.cg.v4.f32", "bar.red.or.pred"):
             assert instruction in ptx, instruction
     else:
-        assert "shfl.sync.bfly" in ptx and "ex2.approx" in ptx
+        assert "ex2.approx" in ptx
 
 
 def test_occupancy_counts_shared_memory_and_threads():
@@ -350,42 +351,76 @@ def decode_values(batch=2, seqlen_q=1, heads=8, kv_heads=2, d=128, pages=100, pa
                                  True, 0.125)
 
 
-def test_split_decode_plan_wires_the_combine_through_scratch(driver, stub_kernels, cpu_device):
+def test_split_decode_plan_is_one_launch_with_partials_and_counts(driver, stub_kernels, cpu_device):
+    """A split decode is one kernel: its blocks write partial states to scratch and the last block
+    of each row tile merges them, counting in the stream's zeroed counts (flashgen/counters.py)."""
     plan, splits = plans.decode(-1, 128, BF16, True, 4, 2, 2, 640 + 1)
-    assert splits > 1 and [k.spec.kind for k in plan.kernels] == ["decode_paged", "combine"]
+    assert splits > 1 and [k.spec.kind for k in plan.kernels] == ["decode_paged"]
     values = decode_values(splits=splits)
     plan.run(-1, values)
-    decode, combine = driver.launches
-    assert decode["dependent"] and combine["dependent"]  # sm_90a: each may start before the kernel ahead of it ends
-    partials = values["partials"]
+    (decode,) = driver.launches
+    assert decode["dependent"]  # sm_90a: it may start before the kernel ahead of it ends
+    partials, counts = values["partials"], values["counters"]
     assert partials.shape == (splits * 2 * 8 * 1 * (128 + 1),) and partials.dtype == torch.float32
+    assert counts.dtype == torch.int32 and counts.numel() >= 2 * 2 * 1 and not counts.any()  # (batch, kv head, row tile)
     assert decode["grid"] == (splits, 2, 2) and decode["block"] == (128, 1, 1)
     got = unpack(plan.kernels[0].spec, decode["params"])
-    assert got["partials"] == partials.data_ptr() and got["splits"] == splits and got["lse"] == values["lse"].data_ptr()
+    assert got["partials"] == partials.data_ptr() and got["counters"] == counts.data_ptr()
+    assert got["splits"] == splits and got["lse"] == values["lse"].data_ptr()
     assert got["k_new"] == values["k"].data_ptr() and got["seqlen_new"] == 1 and got["kv_group"] == 4
     assert (got["k_new_batch"], got["k_new_row"], got["k_new_head"]) == values["k"].stride()[:3]
     assert got["capacity"] == 40 * 16 and got["page_size"] == 16 and got["num_pages"] == 100
     assert (got["page_magic"], got["page_shift"]) == fast_divisor(16) and got["causal"] == 1
     assert got["cache_seqlens"] == values["cache_seqlens"].data_ptr() and got["block_table_batch"] == 40
     assert got["k_cache_page"] == 16 * 2 * 128 and got["k_cache_row"] == 2 * 128 and got["k_cache_head"] == 128
-    rows = unpack(plan.kernels[1].spec, combine["params"])
-    assert combine["grid"] == (2 * 8, 1, 1) and combine["block"] == (256, 1, 1)  # 8 warps per (batch, head, query) row
-    assert rows["parts"] == partials.data_ptr() and rows["parts_split"] == 2 * 8 * 128 and rows["splits"] == splits
-    assert rows["parts_lse"] == partials.data_ptr() + 4 * splits * 2 * 8 * 128  # the log-sum-exps follow the outputs
-    assert (rows["parts_lse_split"], rows["parts_lse_x"], rows["parts_lse_y"], rows["parts_lse_z"]) == (16, 8, 1, 1)
-    o = values["o"]  # (batch, seqlen_q, heads, d) read as rows (batch, heads, seqlen_q)
-    assert (rows["out_x"], rows["out_y"], rows["out_z"]) == (o.stride(0), o.stride(2), o.stride(1))
-    assert rows["out_lse"] == values["lse"].data_ptr() and (rows["size_y"], rows["size_z"], rows["rows"]) == (8, 1, 16)
+    plan.run(-1, values)  # the stream's counts again, not new ones
+    assert values["counters"] is counts
+
+
+def test_unsplit_decode_plan_takes_no_scratch(driver, stub_kernels, cpu_device):
+    plan, splits = plans.decode(-1, 128, BF16, True, 4, 64, 8, 640 + 1)  # 512 blocks fill the GPU
+    assert splits == 1 and plan.scratch == ()
+    values = decode_values(batch=64, splits=1)
+    plan.run(-1, values)
+    assert unpack(plan.kernels[0].spec, driver.launches[0]["params"])["counters"] == 0
+
+
+def test_counts_are_one_buffer_per_stream_and_per_capture(driver, monkeypatch):
+    """Eager calls share their stream's counts (its kernels run one after another); each CUDA graph
+    capture gets counts of its own, cut from zeros made outside any capture while there are some,
+    so no two kernels that may run at once count in one place."""
+    monkeypatch.setattr(counters, "_streams", {})
+    monkeypatch.setattr(counters, "_captures", {})
+    monkeypatch.setattr(counters, "_reserves", {})
+    cpu = torch.device("cpu")
+    first = counters.for_launch(-1, 10, cpu)
+    assert first.dtype == torch.int32 and first.numel() >= 10 and not first.any()
+    assert counters.for_launch(-1, 12, cpu) is first  # same stream: the same buffer
+    assert counters.for_launch(-1, first.numel() + 1, cpu).numel() > first.numel()  # grown when too small
+    monkeypatch.setattr(runtime, "_current_stream", lambda device: 0xDEF0)
+    assert counters.for_launch(-1, 10, cpu).data_ptr() != counters._streams[(-1, 0xABC0)].data_ptr()
+    reserve = counters._reserves[-1]
+    driver.capture = (1, 7)  # capture 7 under way
+    in_seven = counters.for_launch(-1, 20, cpu)
+    assert in_seven.numel() == 20 and in_seven.data_ptr() == reserve.data_ptr()  # the reserve's first counts
+    assert counters.for_launch(-1, 20, cpu) is in_seven  # the capture's calls share them
+    driver.capture = (1, 8)
+    in_eight = counters.for_launch(-1, 20, cpu)
+    assert in_eight.data_ptr() == reserve.data_ptr() + 20 * 4  # the next ones, not capture 7's
+    monkeypatch.setitem(counters._reserves, -1, reserve[:5])  # too few left: zeros of the capture's own
+    driver.capture = (1, 9)
+    own = counters.for_launch(-1, 20, cpu)
+    assert own.numel() == 20 and not own.any() and own.data_ptr() not in (in_seven.data_ptr(), in_eight.data_ptr())
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
 def test_dependent_launches_wait_before_they_read(arch):
-    """On sm_90a the decode kernel and the combine are programmatic dependent launches: each waits
-    for the grid ahead of it before its first read of global memory, and lets the next one be
-    scheduled. Other targets have no such launch and render neither instruction."""
+    """On sm_90a the decode kernel is a programmatic dependent launch: it waits for the grid ahead
+    of it before its first read of global memory, and lets the next one be scheduled. Other
+    targets have no such launch and render neither instruction."""
     from flashgen.compile import compile_ptx
 
-    for spec in (tuning.decode_spec(128, "bf16", arch, True, rows=4), tuning.merge_spec("combine", 128, "bf16", arch)):
+    for spec in (tuning.decode_spec(128, "bf16", arch, True, rows=4),):
         assert spec.family.dependent_launch(spec) == (arch == "sm_90a")
         ptx = compile_ptx(spec, render(spec)).decode()
         if arch != "sm_90a":
@@ -488,7 +523,7 @@ def test_merge_reads_both_states_as_one_tensor(driver, stub_kernels, cpu_device)
     assert plan.kernels[0].spec.kind == "merge_fp32"
     plan.run(-1, {"o_a": o_a, "lse_a": lse_a, "o_b": o_b, "lse_b": lse_b, "o": o, "lse": lse})
     got = unpack(plan.kernels[0].spec, driver.launches[0]["params"])
-    assert got["parts_split"] * 4 == o_b.data_ptr() - o_a.data_ptr() and got["splits"] == 2
+    assert got["parts_split"] * 4 == o_b.data_ptr() - o_a.data_ptr()
     assert got["parts_lse_split"] * 4 == lse_b.data_ptr() - lse_a.data_ptr()
     assert (got["parts_lse_x"], got["parts_lse_y"], got["parts_lse_z"]) == lse_a.stride()
     assert (got["size_y"], got["size_z"], got["rows"]) == (7, 3, 42) and driver.launches[0]["grid"] == (-(-42 // 4), 1, 1)

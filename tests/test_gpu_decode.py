@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flashgen
-from flashgen import plans, reference, tuning
+from flashgen import counters, plans, reference, tuning
 
 pytestmark = pytest.mark.gpu
 
@@ -211,17 +211,57 @@ def test_out_of_range_lengths_and_pages_stay_inside_the_caches(paged):
     assert torch.equal(k_cache.cpu(), ref_k) and torch.equal(v_cache.cpu(), ref_v), "the appends differ from the oracle's"
 
 
+def test_split_counts_are_back_to_zero_after_every_kernel():
+    """The last split block of each row tile merges and sets its count back to zero, whatever the
+    split count: calls with 2 to 128 splits in a row on one stream share the stream's counts."""
+    problem = Problem(2, 3, 8, 2, 128, [100, 3000], new=3, page_size=16, capacity=3100, seed=3)
+    for num_splits in (2, 128, 7, 64, 3):
+        problem.run(num_splits=num_splits, causal=True)
+        torch.cuda.synchronize()
+        stream = torch.cuda.current_stream().cuda_stream
+        assert not counters._streams[(0, stream)].any(), f"counts left after {num_splits} splits"
+
+
+def test_graphs_captured_on_one_stream_replay_at_once():
+    """Two graphs captured one after the other on one stream (torch.cuda.graph's default), replayed
+    at the same time on two streams: each capture counts in its own place, so neither merge sees the
+    other's blocks."""
+    problems = [Problem(4, 1, 32, 8, 128, [3000, 1, 2500, 4000], new=1, page_size=16, capacity=4100, seed=40 + i) for i in range(2)]
+    warm = Problem(4, 1, 32, 8, 128, [10, 10, 10, 10], new=1, page_size=16, capacity=4100, seed=39)
+    warm.run(causal=True)  # the kernels load, and the stream's counts and the captures' reserve are made
+    assert plans.decode(0, 128, torch.bfloat16, True, 4, 4, 8, 4100 + 1)[1] > 1
+    refs = [(p.oracle(causal=True), p.oracle(upcast=False, causal=True)[0]) for p in problems]
+    graphs, outs = [], []
+    for problem in problems:
+        graph = torch.cuda.CUDAGraph()
+        args, keywords = problem.arguments()
+        with torch.cuda.graph(graph):
+            outs.append(flashgen.attention_with_kvcache(*args, **keywords, causal=True, return_softmax_lse=True))
+        graphs.append(graph)
+    streams = [torch.cuda.Stream() for _ in graphs]
+    for _ in range(20):  # the appends write the same values each time
+        for graph, stream in zip(graphs, streams):
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                graph.replay()
+        for stream in streams:
+            torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        for (out, lse), ((ref, ref_lse, _, _), ref_lp) in zip(outs, refs):
+            check(out, lse, ref, ref_lse, ref_lp)
+
+
 @pytest.mark.parametrize("num_splits", [0, 1], ids=["split", "unsplit"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_decode_step_replays_from_a_cuda_graph(paged, num_splits):
-    """Capture one decode step (append + attention + combine) once, then replay it with new
-    tokens, new queries and growing lengths written into the captured tensors in place."""
+    """Capture one decode step (append, attention, the splits' merge) once, then replay it with
+    new tokens, new queries and growing lengths written into the captured tensors in place."""
     problem = Problem(3, 1, 8, 2, 128, [5, 100, 1000], new=1, page_size=16 if paged else None, capacity=1100, seed=21)
     args, keywords = problem.arguments()
     options = dict(causal=True, num_splits=num_splits, return_softmax_lse=True)
     if num_splits == 0:
         capacity = problem.block_table.shape[1] * 16 if paged else 1100
-        assert plans.decode(0, 128, torch.bfloat16, paged, 4, 3, 2, capacity + 1)[1] > 1  # the graph holds the combine too
+        assert plans.decode(0, 128, torch.bfloat16, paged, 4, 3, 2, capacity + 1)[1] > 1  # the graph holds the merge too
     warm = [t.clone() if t is not None else None for t in args]  # load every kernel first, off the graph
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -248,8 +288,9 @@ def test_decode_step_replays_from_a_cuda_graph(paged, num_splits):
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graph"])
 def test_chained_steps_read_what_the_step_before_wrote(graphed):
     """Each step's query and new key/value are the previous step's output, with no kernel between:
-    on sm_90a the decode kernel and the combine are programmatic dependent launches, each scheduled
-    before the one ahead of it ends, so a missing wait would read a stale output here."""
+    on sm_90a the decode kernel is a programmatic dependent launch, scheduled before the one ahead
+    of it ends, so a missing wait (or a merge that is not done when its kernel ends) would read a
+    stale output here."""
     batch, heads, kv_heads, head_dim, length, steps = 2, 8, 2, 128, 1500, 4
     problem = Problem(batch, 1, heads, kv_heads, head_dim, [length] * batch, capacity=2048, seed=31)
     assert plans.decode(0, head_dim, torch.bfloat16, False, heads // kv_heads, batch, kv_heads, 2048 + 1)[1] > 1

@@ -74,6 +74,11 @@ class StubDriver:
                               "stream": stream.value, "params": values, "dependent": False})
         return 0
 
+    def cuStreamGetCaptureInfo(self, stream, status, capture):
+        """No capture under way (status 0), unless a test sets self.capture to (status, id)."""
+        status._obj.value, capture._obj.value = getattr(self, "capture", (0, 0))
+        return 0
+
     def cuLaunchKernelEx(self, config, function, params, extra):
         """A launch with attributes: only a programmatic dependent launch is ever asked for."""
         config = config._obj

@@ -8,10 +8,10 @@ partial attention states by their log-sum-exp.
   to give every warp its own). New keys and values are appended to the cache in place by the block
   whose key range holds them, and read straight from the new tensors, so no block waits for
   another's writes. With one split the block writes o (and lse); with more it writes its normalized
-  partial output and log-sum-exp (fp32) for the combine.
-- MergeStates (combine, merge) and MergeStatesFp32 (merge_fp32): o = sum_s exp(lse_s - lse) o_s
-  with lse = log sum_s exp(lse_s), per row: the split-KV combine (fp32 partials in) and
-  merge_attention_states (two states of any float dtype), one template.
+  partial output and log-sum-exp (fp32), and the last of a row tile's split blocks to finish (an
+  atomic count in flashgen/counters.py's buffers says which) merges them into o and lse.
+- MergeStates (merge) and MergeStatesFp32 (merge_fp32): o = sum_s exp(lse_s - lse) o_s with
+  lse = log sum_s exp(lse_s), per row, for two states of any float dtype (merge_attention_states).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from ..smem import Region, SmemLayout
 from ..spec import SMEM_LIMIT, KernelSpec, SpecError
 from .base import Family, MmaTiles
 
-MAX_SPLITS = 128  # splits of one (sequence, KV head): the combine's loop and the scratch stay small
+MAX_SPLITS = 128  # splits of one (sequence, KV head): the merge's weights and the scratch stay small
 PAGE_SIZES = tuple(range(16, 257, 16))  # paged caches: page sizes multiples of 16 from 16 to 256
 
 
@@ -55,7 +55,7 @@ class DecodeAttention(Family):
     # The tensors, and the sizes attention_with_kvcache has read once already (the packing then
     # reads no shape twice): a decode step's host cost is mostly Python.
     arguments = ("q", "k_cache", "v_cache", "k", "v", "k_strides", "v_strides", "cache_seqlens", "cache_seqlens_stride",
-                 "cache_len", "capacity", "block_table", "num_pages", "page_size", "page_divisor", "o", "lse", "partials",
+                 "cache_len", "capacity", "block_table", "num_pages", "page_size", "page_divisor", "o", "lse", "partials", "counters",
                  "batch", "seqlen_q", "heads", "kv_heads", "seqlen_new", "splits", "causal", "scale", *variants.ARGUMENTS)
 
     @staticmethod
@@ -107,8 +107,10 @@ class DecodeAttention(Family):
         # After the key loop the warps merge their rows' states through the same space: per warp
         # its 16 rows of fp32 O (pitch head_dim_pad + 8), then per warp its rows' max and sum.
         reduce = spec.num_warps * 16 * (spec.head_dim_pad + 8) * 4 + spec.num_warps * 16 * 2 * 4
+        # Then, in the block that merges the splits: each row's weight of every split (fp32).
+        merge = spec.block_m * MAX_SPLITS * 4
         return SmemLayout([Region("q", spec.block_m * row), Region("kv", spec.num_stages * stage)],
-                          overlays=[Region("reduce", reduce)])
+                          overlays=[Region("reduce", reduce), Region("merge", merge)])
 
     def blocks_per_sm(self, spec: KernelSpec) -> int:
         return _occupancy(spec, self.threads(spec), spec.smem_bytes)
@@ -145,6 +147,9 @@ class DecodeAttention(Family):
             # With splits > 1: [splits, batch, heads, seqlen_q, head_dim] partial outputs, then
             # [splits, batch, heads, seqlen_q] their log-sum-exps (fp32); else null.
             pointer("partials", "float*", optional=True),
+            # With splits > 1: [batch, kv_heads, row tiles] int32 counts of the splits done, zero
+            # before the kernel and after it (flashgen/counters.py); else null.
+            pointer("counters", "int*", optional=True),
             scalar("seqlen_q", "int"),
             scalar("heads", "int"),
             scalar("kv_group", "int", "heads // kv_heads"),
@@ -165,6 +170,7 @@ class DecodeAttention(Family):
             "paged": self.paged(spec),
             "warps_m": self.warps_m(spec),
             "warps_n": self.warps_n(spec),
+            "max_splits": MAX_SPLITS,
             # The mask piece's causal rule (a non-causal call puts every row at the last query), or
             # the window's rule, whose right side holds the causal one (0 then).
             "causal": not spec.window,
@@ -172,95 +178,50 @@ class DecodeAttention(Family):
 
 
 class MergeStates(Family):
-    """combine: the split-KV partials (fp32) into o ({dtype}) and lse; merge: two states of {dtype}."""
+    """merge: two attention states of {dtype} into one (merge_attention_states)."""
 
-    kinds = ("combine", "merge")
+    kinds = ("merge",)
     template = "attention_combine.cu.j2"
     fields = ("head_dim", "dtype", "arch")
-    arguments = ("partials", "o_a", "lse_a", "o_b", "lse_b", "o", "lse", "batch", "seqlen_q", "heads", "splits")
-
-    @staticmethod
-    def warps_per_row(spec: KernelSpec) -> int:
-        """The combine gives a row 8 warps, each a share of the splits, so that a decode's few rows
-        keep many loads in flight; a merge of two states gives each warp a row of its own."""
-        return 8 if spec.kind == "combine" else 1
+    arguments = ("o_a", "lse_a", "o_b", "lse_b", "o", "lse")
 
     def threads(self, spec: KernelSpec) -> int:
-        return 32 * (self.warps_per_row(spec) if spec.kind == "combine" else 4)
-
-    def dependent_launch(self, spec: KernelSpec) -> bool:
-        """The combine follows its decode kernel as a programmatic dependent on sm_90a: its launch
-        overlaps the decode's last blocks, which a decode step of ~10 us feels."""
-        return spec.kind == "combine" and spec.arch == "sm_90a"
-
-    def rows_per_block(self, spec: KernelSpec) -> int:
-        return self.threads(spec) // 32 // self.warps_per_row(spec)
+        return 128  # a warp a row
 
     def smem(self, spec: KernelSpec) -> SmemLayout:
-        if self.warps_per_row(spec) == 1:
-            return SmemLayout([])
-        return SmemLayout([Region("sums", self.warps_per_row(spec) * spec.head_dim * 4)])
+        return SmemLayout([])
 
     def types(self, spec: KernelSpec) -> tuple[str, str]:
         """C types of the states read and of the output written."""
-        return {"combine": ("float", "elem_t"), "merge": ("elem_t", "elem_t"), "merge_fp32": ("float", "float")}[spec.kind]
+        return ("float", "float") if spec.kind == "merge_fp32" else ("elem_t", "elem_t")
 
     def params(self, spec: KernelSpec) -> Params:
+        # Two states (..., d) with one layout (merge_attention_states makes sure): read as one
+        # (2, ...) tensor whose split stride is the distance between them. o, lse: contiguous.
         in_type, out_type = self.types(spec)
+        size = 4 if in_type == "float" else 2
         dims = ("x", "y", "z")
-        if spec.kind == "combine":
-            # The decode's partials: [splits, batch, heads, seqlen_q, d] outputs, then [splits, batch,
-            # heads, seqlen_q] log-sum-exps, in one fp32 buffer; o (batch, seqlen_q, heads, d); lse
-            # (batch, heads, seqlen_q) contiguous, or None. Rows (x, y, z) = (batch, head, query).
-            d = spec.head_dim
-            sources = [
-                Param("parts", f"const {in_type}* __restrict__", "ptr", "partials.data_ptr()", "parts"),
-                *[Param(f"parts_{dim}", "i64", "i64", f"{value} * {d}", "parts")
-                  for dim, value in zip(("split", *dims), ("batch * heads * seqlen_q", "heads * seqlen_q", "seqlen_q", "1"))],
-                Param("parts_lse", "const float* __restrict__", "ptr", f"partials.data_ptr() + 4 * splits * batch * heads * seqlen_q * {d}", "parts_lse"),
-                *[Param(f"parts_lse_{dim}", "i64", "i64", value, "parts_lse")
-                  for dim, value in zip(("split", *dims), ("batch * heads * seqlen_q", "heads * seqlen_q", "seqlen_q", "1"))],
-            ]
-            out = [Param(f"out_{dim}", "i64", "i64", f"o_stride[{i}]", "out") for dim, i in zip(dims, (0, 2, 1))]
-            out_lse = ["heads * seqlen_q", "seqlen_q", "1"]
-            sizes = [scalar("size_y", "int", "heads"), scalar("size_z", "int", "seqlen_q"),
-                     scalar("rows", "int", "batch * heads * seqlen_q"), scalar("splits", "int")]
-        else:
-            # Two states (..., d) with one layout (merge_attention_states makes sure): read as one
-            # (2, ...) tensor whose split stride is the distance between them. o, lse: contiguous.
-            size = 4 if in_type == "float" else 2
-            sources = [
-                Param("parts", f"const {in_type}* __restrict__", "ptr", "o_a.data_ptr()", "parts"),
-                Param("parts_split", "i64", "i64", f"(o_b.data_ptr() - o_a.data_ptr()) // {size}", "parts"),
-                *[Param(f"parts_{d}", "i64", "i64", f"o_a_stride[{i}]", "parts") for i, d in enumerate(dims)],
-                Param("parts_lse", "const float* __restrict__", "ptr", "lse_a.data_ptr()", "parts_lse"),
-                Param("parts_lse_split", "i64", "i64", "(lse_b.data_ptr() - lse_a.data_ptr()) // 4", "parts_lse"),
-                *[Param(f"parts_lse_{d}", "i64", "i64", f"lse_a_stride[{i}]", "parts_lse") for i, d in enumerate(dims)],
-            ]
-            out = [Param(f"out_{d}", "i64", "i64", f"o_stride[{i}]", "out") for i, d in enumerate(dims)]
-            out_lse = [f"lse.stride({i})" for i in range(3)]
-            sizes = [scalar("size_y", "int", "o.shape[1]"), scalar("size_z", "int", "o.shape[2]"),
-                     scalar("rows", "int", "o.shape[0] * o.shape[1] * o.shape[2]"), scalar("splits", "int", "2")]
         return Params(self.arguments, [
-            *sources,
-            Param("out", f"{out_type}* __restrict__", "ptr", "o.data_ptr()", "out"), *out,
-            Param("out_lse", "float* __restrict__", "ptr", "0 if lse is None else lse.data_ptr()", "out_lse"),
-            *[Param(f"out_lse_{d}", "i64", "i64", f"0 if lse is None else {value}", "out_lse") for d, value in zip(dims, out_lse)],
-            *sizes,
+            Param("parts", f"const {in_type}* __restrict__", "ptr", "o_a.data_ptr()", "parts"),
+            Param("parts_split", "i64", "i64", f"(o_b.data_ptr() - o_a.data_ptr()) // {size}", "parts"),
+            *[Param(f"parts_{d}", "i64", "i64", f"o_a_stride[{i}]", "parts") for i, d in enumerate(dims)],
+            Param("parts_lse", "const float* __restrict__", "ptr", "lse_a.data_ptr()", "parts_lse"),
+            Param("parts_lse_split", "i64", "i64", "(lse_b.data_ptr() - lse_a.data_ptr()) // 4", "parts_lse"),
+            *[Param(f"parts_lse_{d}", "i64", "i64", f"lse_a_stride[{i}]", "parts_lse") for i, d in enumerate(dims)],
+            Param("out", f"{out_type}* __restrict__", "ptr", "o.data_ptr()", "out"),
+            *[Param(f"out_{d}", "i64", "i64", f"o_stride[{i}]", "out") for i, d in enumerate(dims)],
+            Param("out_lse", "float* __restrict__", "ptr", "lse.data_ptr()", "out_lse"),
+            *[Param(f"out_lse_{d}", "i64", "i64", f"lse.stride({i})", "out_lse") for i, d in enumerate(dims)],
+            scalar("size_y", "int", "o.shape[1]"), scalar("size_z", "int", "o.shape[2]"),
+            scalar("rows", "int", "o.shape[0] * o.shape[1] * o.shape[2]"),
         ])
 
     def grid(self, spec: KernelSpec) -> str:
-        rows = "batch * heads * seqlen_q" if spec.kind == "combine" else "o.shape[0] * o.shape[1] * o.shape[2]"
-        return f"(-(-({rows}) // {self.rows_per_block(spec)}), 1, 1)"
+        return "(-(-(o.shape[0] * o.shape[1] * o.shape[2]) // 4), 1, 1)"
 
     def context(self, spec: KernelSpec) -> dict:
         in_type, out_type = self.types(spec)
-        return {
-            **super().context(spec), "in_type": in_type, "out_type": out_type, "num_warps": self.threads(spec) // 32,
-            "warps_per_row": self.warps_per_row(spec),
-            "state_slots": MAX_SPLITS // 32 if spec.kind == "combine" else 1,  # merge_attention_states: two states
-            "warp_states": 32 // self.warps_per_row(spec) if spec.kind == "combine" else 2,
-        }
+        return {**super().context(spec), "in_type": in_type, "out_type": out_type}
 
 
 class MergeStatesFp32(MergeStates):
