@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from . import kernels, tuning
-from . import counters
+from . import workspace
 from .families import padded
 from .families.backward import padded_varlen
 from .families.decode import MAX_SPLITS
@@ -27,14 +27,16 @@ DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 @dataclass(frozen=True)
 class Scratch:
-    """A buffer the plan allocates per call: its shape from the call's values. `counts`: int32
-    counts that the kernel leaves at zero, reused from flashgen/counters.py instead."""
+    """A buffer the plan allocates per call: its shape from the call's values. Or, from
+    flashgen/workspace.py instead, per stream: `counts`, int32 counts that the kernel leaves at
+    zero; `reused`, flat scratch the kernel fills before it reads it."""
 
     name: str
     shape: Callable[[dict], tuple]
     dtype: torch.dtype = torch.float32
     zeroed: bool = False
     counts: bool = False
+    reused: bool = False
 
 
 @dataclass(frozen=True)
@@ -73,12 +75,17 @@ class Plan:
     def run(self, device: int, values: dict) -> None:
         """Run every step on `device`'s current stream; `values` holds the call's named tensors and
         scalars, and gains the scratch buffers."""
+        stream = None
         for buffer in self.scratch:
-            if buffer.counts:
-                values[buffer.name] = counters.for_launch(device, buffer.shape(values)[0], values["q"].device)
+            place = values["q"].device
+            if buffer.counts or buffer.reused:
+                stream = stream or workspace.where(device)
+                (size,) = buffer.shape(values)
+                values[buffer.name] = (workspace.counts(device, *stream, size, place) if buffer.counts
+                                       else workspace.scratch(device, *stream, buffer.name, size, buffer.dtype, place))
                 continue
             make = torch.zeros if buffer.zeroed else torch.empty
-            values[buffer.name] = make(buffer.shape(values), dtype=buffer.dtype, device=values["q"].device)
+            values[buffer.name] = make(buffer.shape(values), dtype=buffer.dtype, device=place)
         batch, heads = (0, 0) if self.whole else values["q"].shape[:2]
         parts = (values,) if batch <= MAX_GRID_YZ and heads <= MAX_GRID_YZ else slices(values)
         for part in parts:
@@ -310,7 +317,7 @@ def decode(device: int, head_dim: int, dtype: torch.dtype, paged: bool, rows: in
         if chosen > 1:
             # The counts: one per (sequence, KV head, row tile of the packed rows).
             tiles = -(-rows // spec.block_m)
-            scratch = [Scratch("partials", _partials),
+            scratch = [Scratch("partials", _partials, reused=True),
                        Scratch("counters", lambda values: (values["batch"] * values["kv_heads"] * tiles,), torch.int32, counts=True)]
         found = _plans[key] = (Plan((Launch(kernels.get(spec)),), tuple(scratch), whole=True), chosen)
     return found

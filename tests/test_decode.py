@@ -11,7 +11,7 @@ import torch
 from test_launch import StubDriver, driver, stub_kernels, unpack  # noqa: F401  (fixtures)
 
 import flashgen
-from flashgen import counters, plans, reference, runtime, serving, tuning
+from flashgen import plans, reference, serving, tuning, workspace
 from flashgen.families.decode import MAX_SPLITS, PAGE_SIZES, fast_divisor
 from flashgen.render import render
 from flashgen.spec import KernelSpec, SpecError
@@ -353,7 +353,7 @@ def decode_values(batch=2, seqlen_q=1, heads=8, kv_heads=2, d=128, pages=100, pa
 
 def test_split_decode_plan_is_one_launch_with_partials_and_counts(driver, stub_kernels, cpu_device):
     """A split decode is one kernel: its blocks write partial states to scratch and the last block
-    of each row tile merges them, counting in the stream's zeroed counts (flashgen/counters.py)."""
+    of each row tile merges them, counting in the stream's zeroed counts (flashgen/workspace.py)."""
     plan, splits = plans.decode(-1, 128, BF16, True, 4, 2, 2, 640 + 1)
     assert splits > 1 and [k.spec.kind for k in plan.kernels] == ["decode_paged"]
     values = decode_values(splits=splits)
@@ -373,8 +373,8 @@ def test_split_decode_plan_is_one_launch_with_partials_and_counts(driver, stub_k
     assert (got["page_magic"], got["page_shift"]) == fast_divisor(16) and got["causal"] == 1
     assert got["cache_seqlens"] == values["cache_seqlens"].data_ptr() and got["block_table_batch"] == 40
     assert got["k_cache_page"] == 16 * 2 * 128 and got["k_cache_row"] == 2 * 128 and got["k_cache_head"] == 128
-    plan.run(-1, values)  # the stream's counts again, not new ones
-    assert values["counters"] is counts
+    plan.run(-1, values)  # the stream's counts and partials again, not new ones
+    assert values["counters"] is counts and values["partials"].data_ptr() == partials.data_ptr()
 
 
 def test_unsplit_decode_plan_takes_no_scratch(driver, stub_kernels, cpu_device):
@@ -386,31 +386,42 @@ def test_unsplit_decode_plan_takes_no_scratch(driver, stub_kernels, cpu_device):
 
 
 def test_counts_are_one_buffer_per_stream_and_per_capture(driver, monkeypatch):
-    """Eager calls share their stream's counts (its kernels run one after another); each CUDA graph
-    capture gets counts of its own, cut from zeros made outside any capture while there are some,
-    so no two kernels that may run at once count in one place."""
-    monkeypatch.setattr(counters, "_streams", {})
-    monkeypatch.setattr(counters, "_captures", {})
-    monkeypatch.setattr(counters, "_reserves", {})
+    """Eager calls share their stream's counts (its kernels run one after another); each stream of
+    each CUDA graph capture gets counts of its own, cut from zeros made outside any capture while
+    there are some, so no two kernels that may run at once count in one place."""
+    monkeypatch.setattr(workspace, "_counts", {})
+    monkeypatch.setattr(workspace, "_reserves", {})
     cpu = torch.device("cpu")
-    first = counters.for_launch(-1, 10, cpu)
+    first = workspace.counts(-1, 0xABC0, 0, 10, cpu)
     assert first.dtype == torch.int32 and first.numel() >= 10 and not first.any()
-    assert counters.for_launch(-1, 12, cpu) is first  # same stream: the same buffer
-    assert counters.for_launch(-1, first.numel() + 1, cpu).numel() > first.numel()  # grown when too small
-    monkeypatch.setattr(runtime, "_current_stream", lambda device: 0xDEF0)
-    assert counters.for_launch(-1, 10, cpu).data_ptr() != counters._streams[(-1, 0xABC0)].data_ptr()
-    reserve = counters._reserves[-1]
-    driver.capture = (1, 7)  # capture 7 under way
-    in_seven = counters.for_launch(-1, 20, cpu)
+    assert workspace.counts(-1, 0xABC0, 0, 12, cpu) is first  # same stream: the same buffer
+    grown = workspace.counts(-1, 0xABC0, 0, first.numel() + 1, cpu)
+    assert grown.numel() > first.numel() and not grown.any()  # grown when too small
+    assert workspace.counts(-1, 0xDEF0, 0, 10, cpu).data_ptr() not in (first.data_ptr(), grown.data_ptr())
+    reserve = workspace._reserves[-1]
+    in_seven = workspace.counts(-1, 0xABC0, 7, 20, cpu)  # capture 7 on the first stream
     assert in_seven.numel() == 20 and in_seven.data_ptr() == reserve.data_ptr()  # the reserve's first counts
-    assert counters.for_launch(-1, 20, cpu) is in_seven  # the capture's calls share them
-    driver.capture = (1, 8)
-    in_eight = counters.for_launch(-1, 20, cpu)
-    assert in_eight.data_ptr() == reserve.data_ptr() + 20 * 4  # the next ones, not capture 7's
-    monkeypatch.setitem(counters._reserves, -1, reserve[:5])  # too few left: zeros of the capture's own
-    driver.capture = (1, 9)
-    own = counters.for_launch(-1, 20, cpu)
-    assert own.numel() == 20 and not own.any() and own.data_ptr() not in (in_seven.data_ptr(), in_eight.data_ptr())
+    assert workspace.counts(-1, 0xABC0, 7, 20, cpu) is in_seven  # the capture's calls on that stream share them
+    other_stream = workspace.counts(-1, 0xDEF0, 7, 20, cpu)  # a stream joined to capture 7: may run at once
+    in_eight = workspace.counts(-1, 0xABC0, 8, 20, cpu)
+    assert (other_stream.data_ptr(), in_eight.data_ptr()) == (reserve.data_ptr() + 80, reserve.data_ptr() + 160)
+    monkeypatch.setitem(workspace._reserves, -1, reserve[:5])  # too few left: zeros of the capture's own
+    own = workspace.counts(-1, 0xABC0, 9, 20, cpu)
+    assert own.numel() == 20 and not own.any()
+    assert own.data_ptr() not in (in_seven.data_ptr(), other_stream.data_ptr(), in_eight.data_ptr())
+
+
+def test_eager_scratch_is_the_streams_own_and_a_capture_allocates(driver, monkeypatch):
+    monkeypatch.setattr(workspace, "_scratch", {})
+    cpu = torch.device("cpu")
+    first = workspace.scratch(-1, 0xABC0, 0, "partials", 100, torch.float32, cpu)
+    again = workspace.scratch(-1, 0xABC0, 0, "partials", 60, torch.float32, cpu)
+    assert again.numel() == 60 and again.data_ptr() == first.data_ptr()  # reused, cut to size
+    assert workspace.scratch(-1, 0xDEF0, 0, "partials", 60, torch.float32, cpu).data_ptr() != first.data_ptr()
+    assert workspace.scratch(-1, 0xABC0, 3, "partials", 60, torch.float32, cpu).data_ptr() != first.data_ptr()  # captured
+    big = workspace.KEEP_BYTES // 4 + 1
+    assert workspace.scratch(-1, 0xABC0, 0, "partials", big, torch.float32, cpu).numel() == big
+    assert workspace._scratch[(-1, 0xABC0, "partials")].data_ptr() == first.data_ptr()  # too big to keep
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flashgen
-from flashgen import counters, plans, reference, tuning
+from flashgen import plans, reference, tuning, workspace
 
 pytestmark = pytest.mark.gpu
 
@@ -219,7 +219,7 @@ def test_split_counts_are_back_to_zero_after_every_kernel():
         problem.run(num_splits=num_splits, causal=True)
         torch.cuda.synchronize()
         stream = torch.cuda.current_stream().cuda_stream
-        assert not counters._streams[(0, stream)].any(), f"counts left after {num_splits} splits"
+        assert not workspace._counts[(0, stream, 0)].any(), f"counts left after {num_splits} splits"
 
 
 def test_graphs_captured_on_one_stream_replay_at_once():

@@ -9,7 +9,7 @@ partial attention states by their log-sum-exp.
   whose key range holds them, and read straight from the new tensors, so no block waits for
   another's writes. With one split the block writes o (and lse); with more it writes its normalized
   partial output and log-sum-exp (fp32), and the last of a row tile's split blocks to finish (an
-  atomic count in flashgen/counters.py's buffers says which) merges them into o and lse.
+  atomic count in flashgen/workspace.py's buffers says which) merges them into o and lse.
 - MergeStates (merge) and MergeStatesFp32 (merge_fp32): o = sum_s exp(lse_s - lse) o_s with
   lse = log sum_s exp(lse_s), per row, for two states of any float dtype (merge_attention_states).
 """
@@ -148,7 +148,7 @@ class DecodeAttention(Family):
             # [splits, batch, heads, seqlen_q] their log-sum-exps (fp32); else null.
             pointer("partials", "float*", optional=True),
             # With splits > 1: [batch, kv_heads, row tiles] int32 counts of the splits done, zero
-            # before the kernel and after it (flashgen/counters.py); else null.
+            # before the kernel and after it (flashgen/workspace.py); else null.
             pointer("counters", "int*", optional=True),
             scalar("seqlen_q", "int"),
             scalar("heads", "int"),

@@ -1,0 +1,76 @@
+"""Device buffers a launch plan reuses from call to call instead of allocating them: per stream,
+so that no two kernels that may run at once ever share one.
+
+- **Counts** (int32) that a kernel leaves at zero. Each of a split-KV decode's split blocks writes
+  its partial state and adds one to its row tile's count; the block that brings the count to the
+  number of splits merges the states and sets the count back to zero
+  (templates/attention_decode.cu.j2). So counts hold zeros whenever no kernel runs on them, and a
+  call pays no zeroing launch.
+- **Scratch** that a kernel fills before it reads it (the decode's partial states): eager calls
+  reuse their stream's, which saves an allocation a call. A call being captured allocates its own
+  (a replay costs no host time anyway).
+
+Eager calls take their stream's buffers: a stream runs its kernels one after another. A call
+being captured into a CUDA graph takes counts of its own for that capture and stream (a graph's
+nodes from one stream run in that stream's order; two streams in one capture may run at once),
+which every replay of the graph uses: a slice of zeros made outside any capture (the reserve,
+made by the first eager call on the device), or, with none left, zeros made inside the capture
+(the graph then zeroes them on each replay: a small fill more, still right).
+
+Counts are kept for the process's life (a few bytes per stream and per captured graph); eager
+scratch up to KEEP_BYTES per stream.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import runtime
+
+RESERVE = 1 << 16  # counts set aside per device for graph captures (256 KiB)
+KEEP_BYTES = 64 << 20  # eager scratch kept per stream, at most
+
+_counts: dict[tuple[int, int, int], torch.Tensor] = {}  # (device, stream, capture id or 0) -> counts
+_scratch: dict[tuple[int, int, str], torch.Tensor] = {}  # (device, stream, name) -> eager scratch
+_reserves: dict[int, torch.Tensor] = {}
+
+
+def where(device: int) -> tuple[int, int]:
+    """`device`'s current stream (raw handle) and the id of the graph capture under way on it, or 0."""
+    stream = runtime._current_stream(device)
+    return stream, runtime.capture_of(stream)
+
+
+def counts(device: int, stream: int, capture: int, count: int, place: torch.device) -> torch.Tensor:
+    """`count` zeroed int32 counts in `place` (CUDA device `device`) for a kernel about to be
+    launched on `stream` (in `capture`, or 0), which leaves them zero when it ends."""
+    key = (device, stream, capture)
+    found = _counts.get(key)
+    if found is not None and found.numel() >= count:
+        return found
+    if not capture:
+        found = torch.zeros(max(count, 1024), dtype=torch.int32, device=place)
+        if device not in _reserves:
+            _reserves[device] = torch.zeros(RESERVE, dtype=torch.int32, device=place)
+    else:
+        reserve = _reserves.get(device)
+        if reserve is not None and reserve.numel() >= count:
+            found, _reserves[device] = reserve[:count], reserve[count:]
+        else:
+            found = torch.zeros(count, dtype=torch.int32, device=place)
+    _counts[key] = found
+    return found
+
+
+def scratch(device: int, stream: int, capture: int, name: str, size: int, dtype: torch.dtype, place: torch.device) -> torch.Tensor:
+    """`size` elements of uninitialized scratch for a kernel about to be launched on `stream`: the
+    stream's own when eager (kept up to KEEP_BYTES), a new buffer when captured."""
+    if capture:
+        return torch.empty(size, dtype=dtype, device=place)
+    key = (device, stream, name)
+    found = _scratch.get(key)
+    if found is None or found.numel() < size or found.dtype != dtype:
+        found = torch.empty(size, dtype=dtype, device=place)
+        if size * found.element_size() <= KEEP_BYTES:
+            _scratch[key] = found
+    return found[:size]
