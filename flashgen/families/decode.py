@@ -107,8 +107,9 @@ class DecodeAttention(Family):
         # After the key loop the warps merge their rows' states through the same space: per warp
         # its 16 rows of fp32 O (pitch head_dim_pad + 8), then per warp its rows' max and sum.
         reduce = spec.num_warps * 16 * (spec.head_dim_pad + 8) * 4 + spec.num_warps * 16 * 2 * 4
-        # Then, in the block that merges the splits: each row's weight of every split (fp32).
-        merge = spec.block_m * MAX_SPLITS * 4
+        # Then, in the block that merges the splits: each row's weight of every split, and at
+        # least one split's partial rows (fp32); it stages as many splits as the space holds.
+        merge = spec.block_m * MAX_SPLITS * 4 + spec.block_m * spec.head_dim * 4
         return SmemLayout([Region("q", spec.block_m * row), Region("kv", spec.num_stages * stage)],
                           overlays=[Region("reduce", reduce), Region("merge", merge)])
 
