@@ -14,8 +14,7 @@ from typing import Callable
 
 import torch
 
-from . import kernels, tuning
-from . import workspace
+from . import kernels, tuning, workspace
 from .families import padded
 from .families.backward import padded_varlen
 from .families.decode import MAX_SPLITS

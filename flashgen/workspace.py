@@ -27,7 +27,7 @@ import torch
 
 from . import runtime
 
-RESERVE = 1 << 16  # counts set aside per device for graph captures (256 KiB)
+RESERVE = 1 << 20  # counts set aside per device for graph captures (4 MiB)
 KEEP_BYTES = 64 << 20  # eager scratch kept per stream, at most
 
 _counts: dict[tuple[int, int, int], torch.Tensor] = {}  # (device, stream, capture id or 0) -> counts
@@ -52,6 +52,8 @@ def counts(device: int, stream: int, capture: int, count: int, place: torch.devi
         found = torch.zeros(max(count, 1024), dtype=torch.int32, device=place)
         if device not in _reserves:
             _reserves[device] = torch.zeros(RESERVE, dtype=torch.int32, device=place)
+            if place.type == "cuda":  # zeroed before any graph, replayed on any stream, reads them
+                torch.cuda.current_stream(place).synchronize()
     else:
         reserve = _reserves.get(device)
         if reserve is not None and reserve.numel() >= count:
