@@ -187,7 +187,7 @@ class MergeStates(Family):
     arguments = ("o_a", "lse_a", "o_b", "lse_b", "o", "lse")
 
     def threads(self, spec: KernelSpec) -> int:
-        return 128  # a warp a row
+        return 128  # 4 warps, a row each
 
     def smem(self, spec: KernelSpec) -> SmemLayout:
         return SmemLayout([])
@@ -218,7 +218,7 @@ class MergeStates(Family):
         ])
 
     def grid(self, spec: KernelSpec) -> str:
-        return "(-(-(o.shape[0] * o.shape[1] * o.shape[2]) // 4), 1, 1)"
+        return f"(-(-(o.shape[0] * o.shape[1] * o.shape[2]) // {self.threads(spec) // 32}), 1, 1)"
 
     def context(self, spec: KernelSpec) -> dict:
         in_type, out_type = self.types(spec)
