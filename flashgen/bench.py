@@ -553,6 +553,16 @@ def decode_rows(cases=DECODE_CASES, rate: float | None = None) -> list[dict]:
     return rows
 
 
+def decode_rotary_us(seqlen: int = 8192) -> dict:
+    """GPU time of the B = 1 contiguous decode step with and without rotary tables (Llama's,
+    GPT-NeoX halves over all of d): what turning q and the new key inside the kernel costs."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    inputs = _decode_step(1, seqlen, False, gen)
+    angles = torch.arange(seqlen, device="cuda")[:, None] * 10000.0 ** (-torch.arange(0, DECODE_HEAD_DIM, 2, device="cuda") / DECODE_HEAD_DIM)
+    tables = dict(rotary_cos=angles.cos().to(torch.bfloat16), rotary_sin=angles.sin().to(torch.bfloat16), rotary_interleaved=False)
+    return {"T": seqlen, "plain": graph_time_us(_flashgen_step(inputs)), "rotary": graph_time_us(_flashgen_step({**inputs, **tables}))}
+
+
 def decode_host_us(calls: int = HOST_CALLS, rounds: int = HOST_ROUNDS) -> dict:
     """Wall time per eager call of one decode step (B = 1, 32:8 heads, d = 128, a 1k paged cache,
     append + attention), where the host cost dominates, against one SDPA call on the same shape
@@ -585,6 +595,10 @@ def decode_markdown(report: dict) -> str:
         "", "| " + " | ".join(DECODE_COLUMNS) + " |", "|" + "---|" * len(DECODE_COLUMNS),
     ]
     lines += ["| " + " | ".join(_decode_cells(row)) + " |" for row in report["decode"]]
+    rotary = report.get("decode_rotary_us")
+    if rotary:
+        lines += ["", f"Rotary embedding inside the step (B = 1, {rotary['T'] // 1024}k contiguous, rotary_cos / rotary_sin): "
+                      f"{rotary['rotary']:.1f} us against {rotary['plain']:.1f} us without"]
     host = report["decode_host_us"]
     lines += ["", f"Eager host cost of a decode step (B = 1, 1k paged cache, append + attention; median of {HOST_ROUNDS} "
                   f"rounds of {HOST_CALLS}): flashgen {host['flashgen']:.1f} us, one SDPA call {host['sdpa']:.1f} us", ""]
@@ -601,7 +615,8 @@ def run_decode(json_path=None, console=None) -> dict:
     rate = copy_rate_tbs()
     report = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-        "copy_rate_tbs": rate, "decode": decode_rows(rate=rate), "decode_host_us": decode_host_us(),
+        "copy_rate_tbs": rate, "decode": decode_rows(rate=rate), "decode_rotary_us": decode_rotary_us(),
+        "decode_host_us": decode_host_us(),
     }
     console.print(decode_markdown(report), highlight=False)
     if json_path:

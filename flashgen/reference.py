@@ -359,15 +359,37 @@ def _attend(q, keys, values, causal, scale, upcast, splits, window_size=(-1, -1)
     return o.to(dtype)[0].transpose(0, 1), lse[0]
 
 
-def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, block_table=None,
-                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           num_splits=0, return_softmax_lse=False, upcast=True):
+def apply_rotary(x, cos, sin, positions, interleaved=True):
+    """Rotary position embedding (FlashAttention's tables): x (n, heads, d) at positions (n,), with
+    cos and sin (seqlen_ro, rotary_dim / 2); positions are clamped into the tables. The first
+    rotary_dim dimensions turn, pairs (2j, 2j + 1) when interleaved (GPT-J), else (j, j +
+    rotary_dim / 2) (GPT-NeoX), by angle j of the row's position; computed in fp32 and rounded to
+    x's dtype, as the kernels do."""
+    half = cos.shape[1]
+    rows = positions.long().clamp(0, cos.shape[0] - 1)
+    c, s_ = cos[rows].float()[:, None], sin[rows].float()[:, None]  # (n, 1, half)
+    turned, rest = x[..., : 2 * half].float(), x[..., 2 * half :]
+    if interleaved:
+        a, b = turned[..., 0::2], turned[..., 1::2]
+        turned = torch.stack([a * c - b * s_, b * c + a * s_], dim=-1).flatten(-2)
+    else:
+        a, b = turned[..., :half], turned[..., half:]
+        turned = torch.cat([a * c - b * s_, b * c + a * s_], dim=-1)
+    return torch.cat([turned.to(x.dtype), rest], dim=-1)
+
+
+def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                           cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
+                           window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                           return_softmax_lse=False, upcast=True):
     """flashgen.attention_with_kvcache in plain PyTorch, on any device (the tests run it on the
     CPU). Like the kernel it appends k and v into k_cache and v_cache in place (pass copies to keep
     the originals), with the kernel's rules for bad input: a length is clamped to [0, capacity], a
-    new token past the capacity is attended to but not stored, a block-table entry outside
-    [0, num_blocks) reads as zeros and is not written. The attention reads every sequence's cache
-    before any append, and its new keys from k and v, as the kernel does.
+    left pad to [0, that length], a new token past the capacity is attended to but not stored, a
+    block-table entry outside [0, num_blocks) reads as zeros and is not written, a cache_batch_idx
+    entry outside the cache's rows is a row with no keys that takes no appends, and a rotary
+    position past the tables takes their last row. The attention reads every sequence's cache
+    before any append, and its new keys from k and v (turned, with rotary tables), as the kernel does.
 
     num_splits > 1 computes each sequence's attention over that many runs of keys merged by
     merge_attention_states (the split-KV form; the same result). upcast=False computes in the
@@ -378,7 +400,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     from . import variants
 
     batch, seqlen_q, heads, head_dim = q.shape
-    variants.make(causal, window_size, softcap, alibi_slopes, batch, heads, q.device)
+    variant = variants.make(causal, window_size, softcap, alibi_slopes, batch, heads, q.device)
     scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
@@ -388,22 +410,37 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         lengths = cache_seqlens.tolist()
     else:
         lengths = [int(cache_seqlens)] * batch
-    cached = [min(max(n, 0), capacity) for n in lengths]
-    outs, lses = [], []
+    rows = cache_batch_idx.tolist() if cache_batch_idx is not None else list(range(batch))
+    room = [capacity if 0 <= r < k_cache.shape[0] or paged else 0 for r in rows]  # a row outside the cache holds nothing
+    rows = [r if room[b] else 0 for b, r in enumerate(rows)]
+    ends = [min(max(n, 0), room[b]) for b, n in enumerate(lengths)]
+    pads = [min(max(p, 0), ends[b]) for b, p in enumerate(cache_leftpad.tolist())] if cache_leftpad is not None else [0] * batch
+    rotary = rotary_cos is not None
+    per_token = causal or variant.window  # FlashAttention's rule for q's rotary positions
+    outs, lses, new_keys = [], [], []
     for b in range(batch):
-        positions = torch.arange(cached[b], device=k_cache.device)
-        keys, values = _cache_rows(k_cache, b, positions, block_table), _cache_rows(v_cache, b, positions, block_table)
+        positions = torch.arange(pads[b], ends[b], device=k_cache.device)
+        keys = _cache_rows(k_cache, b if paged else rows[b], positions, block_table)
+        values = _cache_rows(v_cache, b if paged else rows[b], positions, block_table)
+        queries = q[b]
+        if rotary:  # new key j at ends[b] + j; query i there too with causal or a window, else at ends[b]
+            tokens = torch.arange(seqlen_q, device=q.device)
+            queries = apply_rotary(q[b], rotary_cos, rotary_sin, ends[b] + (tokens if per_token else 0 * tokens), rotary_interleaved)
         if k is not None:
-            keys, values = torch.cat([keys, k[b].to(keys.device)]), torch.cat([values, v[b].to(values.device)])
-        o, lse = _attend(q[b], keys.to(q.device), values.to(q.device), causal, scale, upcast, num_splits, window_size, softcap,
-                         _slopes_of(alibi_slopes, b))
+            turned = k[b]
+            if rotary:
+                turned = apply_rotary(k[b], rotary_cos, rotary_sin, ends[b] + torch.arange(k.shape[1], device=k.device), rotary_interleaved)
+            new_keys.append(turned)
+            keys, values = torch.cat([keys, turned.to(keys.device)]), torch.cat([values, v[b].to(values.device)])
+        o, lse = _attend(queries, keys.to(q.device), values.to(q.device), causal, scale, upcast, num_splits, window_size,
+                         softcap, _slopes_of(alibi_slopes, b))
         outs.append(o)
         lses.append(lse)
     if k is not None:  # the appends, after every read
-        for b in range(batch):
+        for b, turned in enumerate(new_keys):
             for j in range(k.shape[1]):
-                pos = cached[b] + j
-                if pos >= capacity:
+                pos = ends[b] + j
+                if pos >= room[b]:
                     break
                 if paged:
                     page = int(block_table[b, pos // k_cache.shape[1]])
@@ -411,8 +448,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                         continue
                     at = (page, pos % k_cache.shape[1])
                 else:
-                    at = (b, pos)
-                k_cache[at] = k[b, j]
+                    at = (rows[b], pos)
+                k_cache[at] = turned[j]
                 v_cache[at] = v[b, j]
     out = torch.stack(outs)
     return (out, torch.stack(lses).float()) if return_softmax_lse else out

@@ -103,14 +103,62 @@ def _variant(q, causal, window_size, softcap, alibi_slopes) -> variants.Variant:
     return variants.make(causal, window_size, softcap, alibi_slopes, q.shape[0], q.shape[2], q.device)
 
 
+def _check_cache_rows(batch: int, paged: bool, cache_batch_idx, cache_leftpad) -> None:
+    """cache_batch_idx and cache_leftpad: int32 (batch,) tensors, for a contiguous cache (as with
+    FlashAttention: a paged sequence's rows are its block table's)."""
+    for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name} must have dtype torch.int32, got {t.dtype}")
+        if t.shape != (batch,):
+            raise ValueError(f"{name} must have shape (batch,) = ({batch},); got {tuple(t.shape)}")
+        if paged:
+            raise ValueError(f"{name} takes a contiguous cache: a paged sequence's rows are the ones its block_table names")
+
+
+def _rotary_style(q, k, rotary_cos, rotary_sin, rotary_interleaved, capacity: int) -> str:
+    """The rotary embedding's style for the decode spec ("" without one), with its tables checked
+    the way FlashAttention checks them."""
+    if rotary_cos is None and rotary_sin is None:
+        return ""
+    if rotary_cos is None or rotary_sin is None:
+        raise ValueError("rotary_cos and rotary_sin come together: pass both or neither")
+    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        _tensor(name, t, 2, "(seqlen_ro, rotary_dim / 2)")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype}; it must have q's dtype, {q.dtype}")
+    if rotary_sin.shape != rotary_cos.shape:
+        raise ValueError(f"rotary_cos and rotary_sin must have one shape; got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
+    if k is None:
+        raise ValueError("rotary_cos and rotary_sin turn the appended keys and q: pass the new k and v as well (FlashAttention's rule)")
+    seqlen_ro, rotary_dim = rotary_cos.shape[0], 2 * rotary_cos.shape[1]
+    head_dim = q.shape[3]
+    if not rotary_dim or rotary_dim % 16 or rotary_dim > head_dim:
+        raise ValueError(
+            f"rotary_dim={rotary_dim} (2 * rotary_cos.shape[1]): must be a multiple of 16, at least 16 and at most "
+            f"head_dim={head_dim}"
+        )
+    if seqlen_ro < max(capacity, 1):
+        raise ValueError(f"rotary_cos has {seqlen_ro} positions: it needs at least the cache's capacity, {capacity}, and one")
+    if not isinstance(rotary_interleaved, bool):
+        raise TypeError(f"rotary_interleaved must be True or False, got {rotary_interleaved!r}")
+    return "interleaved" if rotary_interleaved else "halves"
+
+
 def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, causal=False,
-                         window_size=(-1, -1), softcap=0.0, alibi_slopes=None) -> tuple[bool, int, int, variants.Variant]:
+                         window_size=(-1, -1), softcap=0.0, alibi_slopes=None, rotary_cos=None, rotary_sin=None,
+                         rotary_interleaved=True, cache_batch_idx=None, cache_leftpad=None) -> tuple[bool, int, int, variants.Variant, str]:
     """Raise a clear error for anything the decode kernels cannot take; returns (paged, capacity,
-    seqlen_new, variant): whether the cache is paged, the keys one sequence's cache holds at most,
-    the number of tokens appended, and the call's variants."""
-    found = _well_formed(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits)
+    seqlen_new, variant, rotary): whether the cache is paged, the keys one sequence's cache holds at
+    most, the number of tokens appended, the call's variants, and the rotary embedding's style
+    ("" for none)."""
+    common = rotary_cos is None and rotary_sin is None and cache_batch_idx is None and cache_leftpad is None
+    found = _well_formed(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits) if common else None
     if found is not None:
-        return (*found, _variant(q, causal, window_size, softcap, alibi_slopes))
+        return (*found, _variant(q, causal, window_size, softcap, alibi_slopes), "")
     _tensor("q", q, 4, "(batch, seqlen_q, heads, head_dim), like flash_attn_with_kvcache")
     paged = block_table is not None
     cache_layout = "(num_blocks, page_size, heads_kv, head_dim) with a block_table" if paged else "(batch, seqlen_cache, heads_kv, head_dim)"
@@ -166,7 +214,7 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
             )
         capacity = block_table.shape[1] * rows
     else:
-        if pages_or_batch != batch:
+        if pages_or_batch != batch and cache_batch_idx is None:
             raise ValueError(
                 f"k_cache has batch {pages_or_batch} and q {batch}: a contiguous cache is (batch, seqlen_cache, heads_kv, "
                 f"head_dim) (pass block_table for a paged one)"
@@ -197,8 +245,12 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
             )
     if batch > MAX_GRID_YZ or kv_heads > MAX_GRID_YZ:
         raise ValueError(f"batch={batch}, heads_kv={kv_heads}: at most {MAX_GRID_YZ} of each (the grid's limits)")
+    _check_cache_rows(batch, paged, cache_batch_idx, cache_leftpad)
+    rotary = _rotary_style(q, k, rotary_cos, rotary_sin, rotary_interleaved, capacity)
     variant = _variant(q, causal, window_size, softcap, alibi_slopes)
-    tensors = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("block_table", block_table)]
+    tensors = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("block_table", block_table),
+               ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad), ("rotary_cos", rotary_cos),
+               ("rotary_sin", rotary_sin)]
     if isinstance(cache_seqlens, torch.Tensor):
         tensors.append(("cache_seqlens", cache_seqlens))
     devices = {name: t.device for name, t in tensors if t is not None}
@@ -207,12 +259,13 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
     if q.device.type != "cuda":
         why = "" if torch.cuda.is_available() else " (and PyTorch sees no CUDA GPU on this machine)"
         raise ValueError(f"flashgen.attention_with_kvcache runs on NVIDIA GPUs: the tensors are on {q.device}{why}")
-    return paged, capacity, seqlen_new, variant
+    return paged, capacity, seqlen_new, variant, rotary
 
 
 def attention_with_kvcache(
-    q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, block_table=None, softmax_scale=None,
-    causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None,
+    q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+    cache_leftpad=None, block_table=None, softmax_scale=None, causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, rotary_interleaved: bool = True, alibi_slopes=None,
     num_splits: int = 0, return_softmax_lse: bool = False,
 ):
     """Attention of q over a KV cache, appending new keys and values first: FlashAttention's
@@ -225,9 +278,19 @@ def attention_with_kvcache(
     the query heads of a KV head are computed together, so each K/V byte is read once).
     cache_seqlens: the tokens each sequence holds in the cache, an int or an int32 (batch,) tensor;
     None means the whole cache (seqlen_cache, or max_blocks * page_size).
+    cache_batch_idx: int32 (batch,), the row of a contiguous cache (batch_cache, seqlen_cache, ...)
+    each sequence uses (None: row b); two sequences that append must not share a row.
+    cache_leftpad: int32 (batch,), where each sequence's keys start in a contiguous cache (None: 0):
+    sequence b's keys are positions cache_leftpad[b] .. cache_seqlens[b] (left-padded batches).
     k, v: optional (batch, seqlen_new, heads_kv, head_dim), written into the caches in place at
     positions cache_seqlens[b] .. + seqlen_new, then attended to with the cache (cache_seqlens is not
     updated: the caller adds seqlen_new, as with FlashAttention).
+    rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2) of q's dtype, seqlen_ro at least
+    the capacity, rotary_dim a multiple of 16 up to head_dim; only with k and v. The new keys turn
+    to positions cache_seqlens[b] + j before they are stored, and q to cache_seqlens[b] + i with
+    causal or a window, else every query to cache_seqlens[b] (FlashAttention's rule). The first
+    rotary_dim dimensions turn: pairs (2j, 2j + 1) with rotary_interleaved (GPT-J), else (j, j +
+    rotary_dim / 2) (GPT-NeoX); in fp32, rounded to q's dtype.
     causal: aligned bottom-right to each sequence's length n after the append: query i sees key j
     iff j <= n - seqlen_q + i (seqlen_q > 1 serves chunked prefill and speculative decoding).
     Variants, flash_attn_with_kvcache's, aligned the same way (query i at key position
@@ -243,15 +306,18 @@ def attention_with_kvcache(
 
     Out-of-range lengths and pages never make a kernel read or write outside the caches: a length
     in cache_seqlens is clamped to [0, capacity] (capacity = seqlen_cache, or max_blocks *
-    page_size); new tokens at positions past the capacity are attended to but not stored; a
-    block-table entry outside [0, num_blocks) reads as zero keys and values and is never written.
+    page_size), a left pad to [0, that length]; new tokens at positions past the capacity are
+    attended to but not stored; a block-table entry outside [0, num_blocks) reads as zero keys and
+    values and is never written; a cache_batch_idx entry outside [0, batch_cache) is a row with no
+    keys that takes no appends; rotary positions past the tables take their last row.
     (flashgen.reference.attention_with_kvcache computes exactly this.) Pages shared by sequences
     must not be appended to.
 
     Returns out (batch, seqlen_q, heads, head_dim), and lse with return_softmax_lse.
     """
-    paged, capacity, seqlen_new, variant = check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                                                                 num_splits, causal, window_size, softcap, alibi_slopes)
+    paged, capacity, seqlen_new, variant, rotary = check_kvcache_inputs(
+        q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, causal, window_size, softcap, alibi_slopes,
+        rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx, cache_leftpad)
     batch, seqlen_q, heads, head_dim = q.shape
     scale = _scale(softmax_scale, head_dim)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -259,13 +325,17 @@ def attention_with_kvcache(
     if o.numel() == 0:
         return (o, lse) if return_softmax_lse else o
     device = q.get_device()
+    common = not rotary and cache_batch_idx is None and cache_leftpad is None  # the usual decode step
     keys = capacity + seqlen_new
     if variant.window and min(variant.window_left, variant.window_right) >= 0:
         keys = min(keys, seqlen_q + variant.window_left + variant.window_right)  # the most one block's windows see
     plan, splits = plans.decode(device, head_dim, q.dtype, paged, seqlen_q * (heads // k_cache.shape[2]), batch,
-                                k_cache.shape[2], keys, num_splits, variant.fields)
-    plan.run(device, launch_values(q, k_cache, v_cache, k, v, cache_seqlens, block_table, capacity, seqlen_new, o, lse,
-                                   splits, causal, scale, variant, alibi_slopes))
+                                k_cache.shape[2], keys, num_splits, variant.fields, rotary)
+    values = launch_values(q, k_cache, v_cache, k, v, cache_seqlens, block_table, capacity, seqlen_new, o, lse, splits,
+                           causal, scale, variant, alibi_slopes)
+    if not common:
+        values.update(cache_rows(cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin))
+    plan.run(device, values)
     return (o, lse) if return_softmax_lse else o
 
 
@@ -283,7 +353,8 @@ def launch_values(q, k_cache, v_cache, k, v, cache_seqlens, block_table, capacit
         "k_strides": NO_STRIDES if k is None else k.stride(), "v_strides": NO_STRIDES if v is None else v.stride(),
         "cache_seqlens": cache_seqlens if lengths else None, "cache_seqlens_stride": cache_seqlens.stride(0) if lengths else 0,
         "cache_len": capacity if cache_seqlens is None or lengths else cache_seqlens, "capacity": capacity,
-        "block_table": block_table, "o": o, "lse": lse, "partials": None, "counters": None,  # a split plan's scratch replaces them
+        "block_table": block_table, "cache_batch_idx": None, "cache_leftpad": None, "rotary_cos": None, "rotary_sin": None,
+        "o": o, "lse": lse, "partials": None, "counters": None,  # a split plan's scratch replaces them
         "batch": batch, "seqlen_q": seqlen_q, "heads": heads, "kv_heads": k_cache.shape[2], "seqlen_new": seqlen_new,
         "splits": splits, "causal": bool(causal), "scale": scale,
     }
@@ -295,6 +366,19 @@ def launch_values(q, k_cache, v_cache, k, v, cache_seqlens, block_table, capacit
             values["block_table"] = block_table.contiguous()
         values.update(num_pages=k_cache.shape[0], page_size=page_size, page_divisor=fast_divisor(page_size))
     return values
+
+
+def cache_rows(cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin) -> dict:
+    """The launch values of the less common arguments: the cache rows and left pads (1-D int32,
+    read with stride 1) and the rotary tables (contiguous rows from a 16-byte boundary)."""
+    def rows(t):
+        return t if t is None or t.stride(0) == 1 else t.contiguous()
+
+    def table(t):
+        return t if t is None or (t.is_contiguous() and not t.data_ptr() % 16) else t.clone(memory_format=torch.contiguous_format)
+
+    return {"cache_batch_idx": rows(cache_batch_idx), "cache_leftpad": rows(cache_leftpad), "rotary_cos": table(rotary_cos),
+            "rotary_sin": table(rotary_sin)}
 
 
 def _states(o_a, lse_a, o_b, lse_b):

@@ -26,6 +26,7 @@ SMEM_LIMIT = {
 }
 ARCHS = tuple(SMEM_LIMIT)
 HEAD_DIM_RULE = "a multiple of 8 in [8, 256]"
+ROTARY_STYLES = ("interleaved", "halves")  # FlashAttention's rotary_interleaved True / False
 
 
 class SpecError(ValueError):
@@ -102,6 +103,9 @@ class KernelSpec:
     score_mod:  a user score rule, its source (flashgen.modifiers.ScoreMod.source; "" = none).
     mask_mod:   a user mask rule, its source (MaskMod.source); the kernels then visit the key tiles a
                 block mask lists (flashgen.blockmask) and skip the empty ones.
+    rotary:     rotary embedding of q and of the appended keys (decode kernels; flash_attn_with_kvcache's
+                rotary_cos / rotary_sin): "interleaved" rotates dimension pairs (2j, 2j + 1) (GPT-J),
+                "halves" pairs j and j + rotary_dim / 2 (GPT-NeoX); "" = none.
     """
 
     head_dim: int
@@ -121,6 +125,7 @@ class KernelSpec:
     alibi: bool = False
     score_mod: str = ""
     mask_mod: str = ""
+    rotary: str = ""
 
     def __post_init__(self):
         from .families import KINDS
@@ -139,6 +144,8 @@ class KernelSpec:
                 raise SpecError(f"{field}={getattr(self, field)!r}: must be True or False")
         for field in ("score_mod", "mask_mod"):
             check_modifier(field, getattr(self, field))
+        if self.rotary not in ("", *ROTARY_STYLES):
+            raise SpecError(f"rotary={self.rotary!r}: must be \"\" (none) or one of {', '.join(ROTARY_STYLES)}")
         if self.arch not in SMEM_LIMIT:
             raise SpecError(f"arch={self.arch!r}: must be one of {', '.join(ARCHS)}")
         self.family.validate(self)

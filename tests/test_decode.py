@@ -330,6 +330,111 @@ def test_reference_low_precision_differs_a_little():
     assert 0 < (ref.float() - low.float()).abs().max() < 0.05
 
 
+def turned_written_out(x, cos, sin, positions, interleaved):
+    """Rotary embedding by complex multiplication, in float64: x (n, H, d) at positions (n,)."""
+    half = cos.shape[1]
+    angle = torch.complex(cos[positions].double(), sin[positions].double())[:, None]  # (n, 1, half)
+    part = x[..., : 2 * half].double()
+    if interleaved:
+        pairs = torch.view_as_complex(part.reshape(*part.shape[:-1], half, 2).contiguous()) * angle
+        part = torch.view_as_real(pairs).flatten(-2)
+    else:
+        pairs = torch.complex(part[..., :half], part[..., half:]) * angle
+        part = torch.cat([pairs.real, pairs.imag], -1)
+    return torch.cat([part, x[..., 2 * half :].double()], -1)
+
+
+def rotary_tables(rows, rotary_dim, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    angles = torch.rand(rows, rotary_dim // 2, generator=gen) * 6.3
+    return angles.cos(), angles.sin()
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "halves"])
+def test_apply_rotary_is_complex_multiplication(interleaved):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 3, 40, generator=gen, dtype=torch.float64)
+    cos, sin = (t.double() for t in rotary_tables(20, 32))
+    positions = torch.tensor([0, 7, 19, 25, -3])  # the last two are clamped into the tables
+    got = reference.apply_rotary(x, cos, sin, positions, interleaved)
+    torch.testing.assert_close(got.double(), turned_written_out(x, cos, sin, positions.clamp(0, 19), interleaved), atol=1e-6, rtol=0)
+    assert torch.equal(got[..., 32:], x[..., 32:])  # past rotary_dim: untouched
+    assert got.dtype == x.dtype
+    low = reference.apply_rotary(x.to(BF16), cos.to(BF16), sin.to(BF16), positions, interleaved)
+    assert low.dtype == BF16
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "halves"])
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[4]], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_rotary_turns_the_new_keys_and_q_at_the_cache_end(case, causal, interleaved):
+    """FlashAttention's rule: new key j at cache_seqlens + j (stored turned); query i there too with
+    causal (or a window), else every query at cache_seqlens."""
+    batch, seqlen_q, heads, kv_heads, d, capacity, new, page_size, lengths, _ = case
+    q, (k_cache, v_cache), k, v, table = random_cache(batch, seqlen_q, heads, kv_heads, d, capacity, new, page_size, seed=3)
+    cos, sin = rotary_tables(capacity + new, 16, seed=2)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    out = reference.attention_with_kvcache(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
+                                           block_table=table, softmax_scale=0.3, causal=causal, rotary_interleaved=interleaved)
+    for b, n in enumerate(lengths):
+        turned = turned_written_out(k[b], cos, sin, n + torch.arange(new), interleaved)
+        keys = torch.cat([sequence_rows(before_k, b, n, table).double(), turned])
+        values = torch.cat([sequence_rows(before_v, b, n, table), v[b]])
+        queries = turned_written_out(q[b], cos, sin, n + (torch.arange(seqlen_q) if causal else torch.zeros(seqlen_q, dtype=torch.long)), interleaved)
+        o, _ = written_out(queries, keys, values, causal, 0.3)
+        torch.testing.assert_close(out[b].double(), o, atol=1e-5, rtol=0)
+        stored = sequence_rows(k_cache, b, min(n + new, capacity), table)[n:]
+        torch.testing.assert_close(stored.double(), turned[: len(stored)], atol=1e-6, rtol=0)
+
+
+def test_reference_window_turns_each_query_at_its_own_position():
+    q, (k_cache, v_cache), k, v, _ = random_cache(1, 3, 2, 2, 16, 20, 3, seed=4)
+    cos, sin = rotary_tables(23, 16)
+    lengths = torch.tensor([10], dtype=torch.int32)
+    windowed = reference.attention_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v, cos, sin, lengths, window_size=(50, 50))
+    turned_q = reference.apply_rotary(q[0], cos, sin, 10 + torch.arange(3))
+    turned_k = reference.apply_rotary(k[0], cos, sin, 10 + torch.arange(3))
+    plain = reference.attention_with_kvcache(turned_q[None], k_cache.clone(), v_cache.clone(), turned_k[None], v, cache_seqlens=lengths,
+                                             window_size=(50, 50))
+    torch.testing.assert_close(windowed, plain, atol=0, rtol=0)
+
+
+def test_reference_cache_batch_idx_picks_the_rows():
+    """Sequence b reads and appends to cache row cache_batch_idx[b]; an index outside the cache is
+    a row with no keys that takes no appends."""
+    q, (k_cache, v_cache), k, v, _ = random_cache(3, 2, 4, 2, 16, 30, 2, seed=6)
+    big_k, big_v = torch.randn(5, 30, 2, 16), torch.randn(5, 30, 2, 16)
+    before_k = big_k.clone()
+    idx = torch.tensor([4, 1, 9], dtype=torch.int32)
+    lengths = torch.tensor([12, 28, 5], dtype=torch.int32)
+    out = reference.attention_with_kvcache(q, big_k, big_v, k, v, cache_seqlens=lengths, cache_batch_idx=idx, causal=True)
+    picked_k, picked_v = before_k[[4, 1]].clone(), big_v[[4, 1]].clone()
+    alone = reference.attention_with_kvcache(q[:2], picked_k, picked_v, k[:2], v[:2], cache_seqlens=lengths[:2], causal=True)
+    torch.testing.assert_close(out[:2], alone, atol=0, rtol=0)
+    assert torch.equal(big_k[4, 12:14], k[0]) and torch.equal(big_k[1, 28:30], k[1])  # appended to the picked rows
+    empty = reference.attention_with_kvcache(q[2:], big_k[:1, :0], big_v[:1, :0], k[2:], v[2:], cache_seqlens=0, causal=True)
+    torch.testing.assert_close(out[2:], empty, atol=0, rtol=0)  # row 9 is none: only the new tokens
+    assert torch.equal(big_k[[0, 2, 3]], before_k[[0, 2, 3]])
+
+
+def test_reference_cache_leftpad_starts_the_keys_later():
+    """Keys [leftpad, cache_seqlens): the same as a cache whose rows start at leftpad, with the
+    appends (and rotary positions) still at cache_seqlens."""
+    q, (k_cache, v_cache), k, v, _ = random_cache(2, 2, 4, 2, 16, 40, 2, seed=7)
+    cos, sin = rotary_tables(42, 16)
+    lengths, pads = torch.tensor([30, 6], dtype=torch.int32), torch.tensor([7, 9], dtype=torch.int32)  # 9 > 6: clamped to 6
+    k_cache_b, v_cache_b = k_cache.clone(), v_cache.clone()
+    out = reference.attention_with_kvcache(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_leftpad=pads, causal=True,
+                                           rotary_interleaved=False)
+    for b, (n, p) in enumerate(((30, 7), (6, 6))):
+        turned_q = reference.apply_rotary(q[b], cos, sin, n + torch.arange(2), interleaved=False)
+        turned_k = reference.apply_rotary(k[b], cos, sin, n + torch.arange(2), interleaved=False)
+        shifted = reference.attention_with_kvcache(turned_q[None], k_cache_b[b:b + 1, p:].clone(), v_cache_b[b:b + 1, p:].clone(),
+                                                   turned_k[None], v[b:b + 1], cache_seqlens=n - p, causal=True)
+        torch.testing.assert_close(out[b:b + 1], shifted, atol=0, rtol=0)
+        assert torch.equal(k_cache[b, n:n + 2], turned_k)
+
+
 # ---- the launch plans (stubbed driver, stubbed kernels) ----------------------------------------
 
 
@@ -507,6 +612,41 @@ def test_variant_decode_plan_packs_the_values_per_row(driver, stub_kernels, cpu_
     assert plans.decode(-1, 128, BF16, True, 4, 2, 2, 641)[0].kernels[0].spec.window is False  # the plain kernel apart
 
 
+def test_rotary_and_cache_rows_are_packed(driver, stub_kernels, cpu_device):
+    """The rotary kernel takes the tables (copied when they do not start on a 16-byte boundary)
+    and their sizes; the contiguous kernel the cache rows, the left pads and the cache's rows."""
+    plan, splits = plans.decode(-1, 64, BF16, False, 4, 2, 2, 101, 0, (), "interleaved")
+    spec = plan.kernels[0].spec
+    assert spec.kind == "decode" and spec.rotary == "interleaved" and spec.name.endswith("_rope_interleaved")
+    assert plans.decode(-1, 64, BF16, False, 4, 2, 2, 101)[0].kernels[0].spec.rotary == ""  # the plain kernel apart
+    q, k = torch.zeros(2, 1, 8, 64, dtype=BF16), torch.zeros(2, 1, 2, 64, dtype=BF16)
+    k_cache = torch.zeros(5, 100, 2, 64, dtype=BF16)
+    values = serving.launch_values(q, k_cache, k_cache, k, k, torch.zeros(2, dtype=torch.int32), None, 100, 1, torch.empty_like(q),
+                                   None, splits, True, 0.125)
+    cos, sin = torch.zeros(101, 16, dtype=BF16), torch.zeros(102, 16, dtype=BF16)[1:]  # sin starts 32 bytes in: fine
+    odd = torch.zeros(102 * 16 + 4, dtype=BF16)[4:].view(102, 16)[1:]  # 8 bytes off a 16-byte boundary: copied
+    idx, pads = torch.tensor([4, 0], dtype=torch.int32), torch.zeros(2, 2, dtype=torch.int32)[:, 1]  # pads: stride 2, copied
+    values.update(serving.cache_rows(idx, pads, cos, odd))
+    plan.run(-1, values)
+    got = unpack(spec, driver.launches[0]["params"])
+    assert got["rotary_cos"] == cos.data_ptr() and got["rotary_sin"] not in (0, odd.data_ptr()) and got["rotary_sin"] % 16 == 0
+    assert (got["rotary_dim"], got["rotary_rows"]) == (32, 101)
+    assert got["cache_batch_idx"] == idx.data_ptr() and got["cache_batches"] == 5
+    assert got["cache_leftpad"] not in (0, pads.data_ptr())
+    assert serving.cache_rows(None, None, sin, sin)["rotary_sin"] is sin
+    paged_spec = plans.decode(-1, 64, BF16, True, 4, 2, 2, 101, 0, (), "halves")[0].kernels[0].spec
+    names = {p.name for p in paged_spec.family.params(paged_spec).params}
+    assert {"rotary_cos", "rotary_dim"} <= names and not {"cache_batch_idx", "cache_leftpad"} & names
+
+
+def test_a_kernel_without_rotary_renders_no_trace_of_it():
+    plain = render(tuning.decode_spec(64, "bf16", "sm_90a", False, 4))
+    assert "otary" not in plain and "st_shared_16" not in plain
+    for style in ("interleaved", "halves"):
+        source = render(tuning.decode_spec(64, "bf16", "sm_90a", True, 4, rotary=style))
+        assert "struct Rotary" in source and f"({style})" in source.splitlines()[1]
+
+
 def test_a_window_splits_only_the_keys_it_sees(driver, stub_kernels, cpu_device, monkeypatch):
     """attention_with_kvcache sizes the split count by the keys one block's windows can see (the
     shapes and the window, never the lengths): a 256-key window over a 64k cache splits like a
@@ -514,7 +654,7 @@ def test_a_window_splits_only_the_keys_it_sees(driver, stub_kernels, cpu_device,
     seen = []
     real = plans.decode
     monkeypatch.setattr(plans, "decode", lambda *args: seen.append(args) or real(*args))
-    monkeypatch.setattr(serving, "check_kvcache_inputs", lambda *args: (True, 65536, 1, serving._variant(args[0], *args[8:])))
+    monkeypatch.setattr(serving, "check_kvcache_inputs", lambda *args: (True, 65536, 1, serving._variant(args[0], *args[8:12]), ""))
     q, k_cache, v_cache, k, v = t(1, 1, 8, 128), t(4096, 16, 2, 128), t(4096, 16, 2, 128), t(1, 1, 2, 128), t(1, 1, 2, 128)
     table = torch.zeros(1, 4096, dtype=torch.int32)
     for window in ((-1, -1), (256, 0), (256, -1)):
@@ -560,12 +700,14 @@ def inputs(paged=False, **changes):
 
 
 VARIANT_ARGUMENTS = ("window_size", "softcap", "alibi_slopes")
+ROW_ARGUMENTS = ("rotary_cos", "rotary_sin", "rotary_interleaved", "cache_batch_idx", "cache_leftpad")
 
 
 def kvcache_error(error, match, paged=False, **changes):
     args = inputs(paged, **changes)
     keywords = {name: args.pop(name) for name in ("cache_seqlens", "block_table")}
-    keywords.update({name: args.pop(name) for name in ("softmax_scale", "num_splits", "causal", *VARIANT_ARGUMENTS) if name in args})
+    keywords.update({name: args.pop(name) for name in ("softmax_scale", "num_splits", "causal", *VARIANT_ARGUMENTS, *ROW_ARGUMENTS)
+                     if name in args})
     with pytest.raises(error, match=match):
         flashgen.attention_with_kvcache(*args.values(), **keywords)
 
@@ -659,6 +801,51 @@ def test_variant_errors(error, match, changes, paged):
         reference.attention_with_kvcache(*args.values(), **keywords, **changes)
 
 
+COS = t(100, 16)  # rotary tables: 100 positions, rotary_dim 32
+ROW_ERRORS = [
+    (TypeError, "cache_batch_idx must have dtype torch.int32, got torch.int64", dict(cache_batch_idx=torch.tensor([0, 1]))),
+    (ValueError, r"cache_batch_idx must have shape \(batch,\) = \(2,\); got \(3,\)", dict(cache_batch_idx=torch.zeros(3, dtype=torch.int32))),
+    (TypeError, "cache_leftpad must be a torch.Tensor, got list", dict(cache_leftpad=[0, 1])),
+    (TypeError, "cache_leftpad must have dtype torch.int32, got torch.float32", dict(cache_leftpad=torch.zeros(2))),
+    (ValueError, "rotary_cos and rotary_sin come together: pass both or neither", dict(rotary_cos=COS)),
+    (ValueError, "rotary_cos and rotary_sin come together", dict(rotary_sin=COS)),
+    (ValueError, r"rotary_sin must have 2 dimensions \(seqlen_ro, rotary_dim / 2\)", dict(rotary_cos=COS, rotary_sin=t(100))),
+    (TypeError, "rotary_cos has dtype torch.float32; it must have q's dtype, torch.bfloat16",
+     dict(rotary_cos=t(100, 16, dtype=torch.float32), rotary_sin=COS)),
+    (ValueError, "rotary_cos and rotary_sin must have one shape", dict(rotary_cos=COS, rotary_sin=t(100, 8))),
+    (ValueError, "pass the new k and v as well", dict(rotary_cos=COS, rotary_sin=COS, k=None, v=None)),
+    (ValueError, r"rotary_dim=24 \(2 \* rotary_cos.shape\[1\]\): must be a multiple of 16", dict(rotary_cos=t(100, 12), rotary_sin=t(100, 12))),
+    (ValueError, "rotary_dim=80 .* at most head_dim=64", dict(rotary_cos=t(100, 40), rotary_sin=t(100, 40))),
+    (ValueError, "rotary_dim=0", dict(rotary_cos=t(100, 0), rotary_sin=t(100, 0))),
+    (ValueError, "rotary_cos has 99 positions: it needs at least the cache's capacity, 100", dict(rotary_cos=t(99, 16), rotary_sin=t(99, 16))),
+    (TypeError, "rotary_interleaved must be True or False, got 'yes'", dict(rotary_cos=COS, rotary_sin=COS, rotary_interleaved="yes")),
+    (ValueError, "the tensors must be on one device; got .* rotary_sin meta", dict(rotary_cos=COS, rotary_sin=t(100, 16, device="meta"))),
+    (ValueError, "the tensors must be on one device; got .* cache_leftpad meta",
+     dict(cache_leftpad=torch.zeros(2, dtype=torch.int32, device="meta"))),
+]
+
+
+@pytest.mark.parametrize("error, match, changes", ROW_ERRORS, ids=[m[:40] for _, m, _ in ROW_ERRORS])
+def test_rotary_and_cache_row_errors(error, match, changes):
+    kvcache_error(error, match, **changes)
+
+
+@pytest.mark.parametrize("name", ["cache_batch_idx", "cache_leftpad"])
+def test_cache_rows_take_a_contiguous_cache(name):
+    kvcache_error(ValueError, f"{name} takes a contiguous cache: a paged sequence's rows are the ones its block_table names",
+                  paged=True, **{name: torch.zeros(2, dtype=torch.int32)})
+
+
+def test_good_rotary_and_cache_rows_reach_the_device_check():
+    idx = torch.tensor([2, 0], dtype=torch.int32)
+    for changes in (dict(rotary_cos=COS, rotary_sin=COS), dict(rotary_cos=COS, rotary_sin=COS, rotary_interleaved=False, causal=True),
+                    dict(rotary_cos=t(100, 32)[:, :16], rotary_sin=t(101, 16)[1:]),  # strided or offset tables are fine
+                    dict(cache_batch_idx=idx, k_cache=t(3, 100, 2, 64), v_cache=t(3, 100, 2, 64)),  # a cache of 3 rows for 2 sequences
+                    dict(cache_leftpad=torch.tensor([1, 2], dtype=torch.int32))):
+        kvcache_error(ValueError, "runs on NVIDIA GPUs", **changes)
+    kvcache_error(ValueError, "runs on NVIDIA GPUs", True, rotary_cos=t(112, 16), rotary_sin=t(112, 16))  # paged: 7 pages of 16
+
+
 def test_good_variants_reach_the_device_check():
     for changes in (dict(window_size=(100, 0), causal=True), dict(softcap=30.0), dict(alibi_slopes=torch.ones(2, 8)),
                     dict(window_size=(7, 3), softcap=1.0, alibi_slopes=torch.ones(8))):
@@ -693,9 +880,11 @@ def test_decode_report_renders_as_markdown():
     row = {"B": 1, "T": 65536, "layout": "paged 16", "flashgen_us": 70.0, "flash_us": 80.2, "cudnn_us": None,
            "floor_us": 62.4, "vs_floor": 70 / 62.4, "vs_best_sdpa": 70 / 80.2, "tbs": 3.8, "splits": 32,
            "kernels": "decode_paged_d128_m16_n64_bf16_w4_s3_sm90a + combine_d128_bf16_sm90a"}
-    text = bench.decode_markdown({"copy_rate_tbs": 4.3, "decode": [row], "decode_host_us": {"flashgen": 19.5, "sdpa": 24.0}})
+    text = bench.decode_markdown({"copy_rate_tbs": 4.3, "decode": [row], "decode_host_us": {"flashgen": 19.5, "sdpa": 24.0},
+                                  "decode_rotary_us": {"T": 8192, "plain": 12.4, "rotary": 12.61}})
     assert "| 1 | 64k | paged 16 | 70.0 | 80.2 | - | 62.4 | 1.12 | 0.87 | 3.80 | 32 | decode_paged" in text
     assert "4.30 TB/s" in text and "flashgen 19.5 us, one SDPA call 24.0 us" in text
+    assert "(B = 1, 8k contiguous, rotary_cos / rotary_sin): 12.6 us against 12.4 us without" in text
 
 
 def test_bench_decode_refuses_a_plot():

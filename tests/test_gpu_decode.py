@@ -433,6 +433,104 @@ def test_variant_errors_on_the_gpu():
             flashgen.attention_with_kvcache(*args.values(), **keywords)
 
 
+# ---- rotary embedding, cache rows and left pads (flash_attn_with_kvcache's rotary_cos / rotary_sin,
+# cache_batch_idx, cache_leftpad) ------------------------------------------------------------------
+
+
+def rotary_tables(rows, rotary_dim, dtype=torch.bfloat16):
+    """Llama's tables (base 10000) for positions 0 .. rows - 1, rounded to the inputs' dtype."""
+    inverse = 10000.0 ** (-torch.arange(0, rotary_dim, 2, device="cuda", dtype=torch.float32) / rotary_dim)
+    angles = torch.arange(rows, device="cuda", dtype=torch.float32)[:, None] * inverse
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@pytest.mark.parametrize("num_splits", [0, 1, 5], ids=["split", "unsplit", "five"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "halves"])
+def test_rotary_turns_q_and_the_new_keys(interleaved, paged, causal, num_splits):
+    """The new keys are stored turned (bitwise the oracle's) and attended to turned, by every split
+    that holds them; q turns at its own positions with causal, at the cache's end without."""
+    problem = Problem(3, 2, 8, 2, 128, [0, 30, 1500], new=2, page_size=16 if paged else None, capacity=1600, seed=50 + num_splits)
+    cos, sin = rotary_tables(1700, 128)
+    problem.run(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved, causal=causal, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("head_dim, rotary_dim", [(128, 64), (64, 16), (80, 32), (256, 256)])
+def test_rotary_of_part_of_the_head(head_dim, rotary_dim):
+    """Only the first rotary_dim dimensions turn (GPT-NeoX's partial rotary); the rest pass through."""
+    problem = Problem(2, 1, 8, 2, head_dim, [700, 3], new=1, page_size=64, capacity=800, seed=head_dim)
+    cos, sin = rotary_tables(900, rotary_dim)  # the paged capacity: 13 pages of 64
+    problem.run(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=False, causal=True)
+
+
+def test_rotary_with_a_window_and_fp16():
+    """A window turns each query at its own position even without causal (FlashAttention's rule)."""
+    problem = Problem(2, 3, 8, 2, 64, [400, 90], new=3, capacity=500, dtype=torch.float16, seed=9)
+    cos, sin = rotary_tables(600, 64, torch.float16)
+    problem.run(rotary_cos=cos, rotary_sin=sin, window_size=(64, 8))
+
+
+@pytest.mark.parametrize("num_splits", [0, 1, 7], ids=["split", "unsplit", "seven"])
+def test_cache_rows_and_left_pads(num_splits):
+    """Sequence b reads and appends to row cache_batch_idx[b] of a 6-row cache, from position
+    cache_leftpad[b] on; a row outside the cache holds nothing and takes no appends (guard regions
+    around the caches catch any write outside them)."""
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    problem = Problem(4, 2, 8, 2, 128, [1200, 40, 777, 0], new=2, capacity=1300, seed=12)
+    shape = (6, 1300, 2, 128)
+    k_buffer, problem.k_cache = guarded(shape, torch.bfloat16, gen)
+    v_buffer, problem.v_cache = guarded(shape, torch.bfloat16, gen)
+    before_k, before_v = k_buffer.clone(), v_buffer.clone()
+    rows = torch.tensor([5, 0, -1, 2], device="cuda", dtype=torch.int32)
+    pads = torch.tensor([100, 40, 3, 7], device="cuda", dtype=torch.int32)  # 40: no cached key; 7 > 0: clamped
+    cos, sin = rotary_tables(1300, 128)
+    for options in (dict(), dict(rotary_cos=cos, rotary_sin=sin)):
+        problem.run(cache_batch_idx=rows, cache_leftpad=pads, causal=True, num_splits=num_splits, **options)
+        for buffer, old in ((k_buffer, before_k), (v_buffer, before_v)):
+            assert torch.equal(buffer[:GUARD], old[:GUARD]) and torch.equal(buffer[-GUARD:], old[-GUARD:]), "a guard was written"
+        assert torch.equal(problem.k_cache[[1, 3, 4]], before_k[GUARD:-GUARD].view(shape)[[1, 3, 4]]), "an unused row changed"
+
+
+def test_a_rotary_decode_step_replays_from_a_cuda_graph():
+    """One captured step with rotary tables and left pads, replayed as the lengths grow: the
+    positions come from cache_seqlens on the device."""
+    problem = Problem(3, 1, 8, 2, 128, [5, 100, 1000], new=1, capacity=1100, seed=22)
+    cos, sin = rotary_tables(1100, 128)
+    pads = torch.tensor([0, 50, 3], device="cuda", dtype=torch.int32)
+    args, keywords = problem.arguments()
+    options = dict(rotary_cos=cos, rotary_sin=sin, cache_leftpad=pads, causal=True)
+    warm = [t.clone() if t is not None else None for t in args]
+    flashgen.attention_with_kvcache(*warm, **keywords, **options, return_softmax_lse=True)  # load the kernel off the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = flashgen.attention_with_kvcache(*args, **keywords, **options, return_softmax_lse=True)
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    for step in range(4):
+        for t in (problem.q, problem.k, problem.v):
+            t.copy_(torch.randn(t.shape, device="cuda", dtype=t.dtype, generator=gen))
+        ref, ref_lse, ref_k, ref_v = problem.oracle(**options)
+        ref_lp = problem.oracle(upcast=False, **options)[0]
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out, lse, ref, ref_lse, ref_lp)
+        assert torch.equal(problem.k_cache.cpu(), ref_k) and torch.equal(problem.v_cache.cpu(), ref_v), f"step {step}"
+        problem.cache_seqlens += 1
+
+
+def test_rotary_and_cache_row_errors_on_the_gpu():
+    from test_decode import ROW_ERRORS, ROW_ARGUMENTS, inputs
+
+    for error, match, changes in ROW_ERRORS:
+        if "meta" in match:
+            continue
+        args = {name: value.cuda() if isinstance(value, torch.Tensor) else value for name, value in inputs(**changes).items()}
+        keywords = {name: args.pop(name) for name in ("cache_seqlens", "block_table", *ROW_ARGUMENTS) if name in args}
+        with pytest.raises(error, match=match):
+            flashgen.attention_with_kvcache(*args.values(), **keywords)
+
+
 # ---- merge_attention_states ----------------------------------------------------------------------
 
 

@@ -123,10 +123,12 @@ ALTERNATIVE = {
     "alibi": True,
     "score_mod": '{"cuda":"score * 2.f","grad":"2.f","tensors":[]}',
     "mask_mod": '{"cuda":"q_idx >= kv_idx","per_batch":false,"per_head":false,"tensors":[]}',
+    "rotary": "halves",
 }
 # Fields the mma.sync forward does not use change a spec of a family that does.
 _HOPPER = KernelSpec(head_dim=64, block_m=128, block_n=128, kind="fwd_sm90")
-BASE_FOR = {"persistent": _HOPPER, "exp2_fma": _HOPPER}
+_DECODE = KernelSpec(head_dim=64, block_m=16, block_n=64, kind="decode", num_stages=3)
+BASE_FOR = {"persistent": _HOPPER, "exp2_fma": _HOPPER, "rotary": _DECODE}
 
 
 def key(spec):

@@ -32,6 +32,7 @@ NAME_PARTS = {
     "alibi": None,
     "score_mod": None,  # "smod" / "mmod" + a hash of the rule's source, or nothing
     "mask_mod": None,
+    "rotary": None,  # "rope_" + its style, or nothing
 }
 MODIFIER_TAG = {"score_mod": "smod", "mask_mod": "mmod"}
 VARIANT_TEXT = {"window": ", sliding window", "softcap": ", soft-capped scores", "alibi": ", ALiBi",
@@ -76,7 +77,7 @@ class Family:
 
     kinds: tuple[str, ...] = ()
     template: str = ""
-    fields: tuple[str, ...] = tuple(NAME_PARTS)  # the spec fields the kernel's code depends on
+    fields: tuple[str, ...] = tuple(f for f in NAME_PARTS if f != "rotary")  # the spec fields the kernel's code depends on
     arguments: tuple[str, ...] = ()  # the launch's named arguments, from which parameters are computed
     forward = False  # a forward kernel: what attention() runs and `flashgen build` makes importable
     tune_space: dict[str, tuple] = {}  # the tile fields `flashgen tune` sweeps, and their values
@@ -119,6 +120,8 @@ class Family:
                     parts += [field] if value else []
                 elif field == "exp2_fma":
                     parts += [form.format(value)] if value else []
+                elif field == "rotary":
+                    parts += [f"rope_{value}"] if value else []
                 elif field in MODIFIER_TAG:
                     parts += [MODIFIER_TAG[field] + modifiers.tag(value)] if value else []
                 else:
@@ -202,7 +205,7 @@ class MmaTiles(Family):
     registers."""
 
     owner = "block_m"
-    fields = tuple(field for field in NAME_PARTS if field not in ("persistent", "exp2_fma"))  # one block per tile, always
+    fields = tuple(field for field in NAME_PARTS if field not in ("persistent", "exp2_fma", "rotary"))  # one block per tile, always
     max_accumulators = 192  # fp32 accumulators per thread that fit in 255 registers with room to spare
     variant_registers = VARIANT_REGISTERS  # what each variant takes from that budget
 

@@ -51,12 +51,13 @@ def _occupancy(spec: KernelSpec, threads: int, smem: int) -> int:
 class DecodeAttention(Family):
     kinds = ("decode", "decode_paged")
     template = "attention_decode.cu.j2"
-    fields = ("head_dim", "block_m", "block_n", "dtype", "num_warps", "num_stages", "arch", *variants.FIELDS)
+    fields = ("head_dim", "block_m", "block_n", "dtype", "num_warps", "num_stages", "arch", *variants.FIELDS, "rotary")
     # The tensors, and the sizes attention_with_kvcache has read once already (the packing then
     # reads no shape twice): a decode step's host cost is mostly Python.
     arguments = ("q", "k_cache", "v_cache", "k", "v", "k_strides", "v_strides", "cache_seqlens", "cache_seqlens_stride",
-                 "cache_len", "capacity", "block_table", "num_pages", "page_size", "page_divisor", "o", "lse", "partials", "counters",
-                 "batch", "seqlen_q", "heads", "kv_heads", "seqlen_new", "splits", "causal", "scale", *variants.ARGUMENTS)
+                 "cache_len", "capacity", "cache_batch_idx", "cache_leftpad", "block_table", "num_pages", "page_size",
+                 "page_divisor", "rotary_cos", "rotary_sin", "o", "lse", "partials", "counters", "batch", "seqlen_q", "heads",
+                 "kv_heads", "seqlen_new", "splits", "causal", "scale", *variants.ARGUMENTS)
 
     @staticmethod
     def paged(spec: KernelSpec) -> bool:
@@ -122,9 +123,8 @@ class DecodeAttention(Family):
         for name in ("k", "v"):  # the keys and values to append, or none (strides 0)
             new.append(Param(f"{name}_new", "const elem_t* __restrict__", "ptr", f"0 if {name} is None else {name}.data_ptr()", name))
             new += [Param(f"{name}_new_{dim}", "i64", "i64", f"{name}_strides[{i}]", name) for i, dim in enumerate(("batch", "row", "head"))]
-        pages = []
         if paged:
-            pages = [
+            rows = [
                 pointer("block_table", "const int*"),  # [batch, max_blocks] int32
                 scalar("block_table_batch", "i64", "block_table.stride(0)"),
                 scalar("num_pages", "int"),
@@ -132,12 +132,23 @@ class DecodeAttention(Family):
                 scalar("page_shift", "int", "page_divisor[1]"),  # fast_divisor(page_size)
                 scalar("page_magic", "i64", "page_divisor[0]"),
             ]
+        else:  # which row of the caches a sequence reads, and where its keys start there
+            rows = [
+                pointer("cache_batch_idx", "const int*", optional=True),  # [batch] int32, or null: row b
+                scalar("cache_batches", "int", "k_cache.shape[0]"),
+                pointer("cache_leftpad", "const int*", optional=True),  # [batch] int32, or null: 0
+            ]
+        rotary = []
+        if spec.rotary:  # the tables [rotary_rows, rotary_dim / 2], contiguous
+            rotary = [pointer("rotary_cos", "const elem_t*"), pointer("rotary_sin", "const elem_t*"),
+                      scalar("rotary_dim", "int", "2 * rotary_cos.shape[1]"), scalar("rotary_rows", "int", "rotary_cos.shape[0]")]
         return Params(self.arguments, [
             *tensor("q", dims=("batch", "row", "head")),
             *tensor("k_cache", const=False, dims=("page" if paged else "batch", "row", "head")),
             *tensor("v_cache", const=False, dims=("page" if paged else "batch", "row", "head")),
             *new,
-            *pages,
+            *rows,
+            *rotary,
             pointer("cache_seqlens", "const int*", optional=True),  # [batch] int32, or null: cache_len
             scalar("cache_seqlens_stride", "i64"),
             scalar("cache_len", "int"),
