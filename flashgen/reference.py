@@ -260,7 +260,7 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, max_seqlen: int, name
     return offsets
 
 
-def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None,
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
                      causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                      return_lse=False, upcast=True):
     """flashgen.attention_varlen in plain PyTorch, on any device (the CPU included): naive
@@ -271,11 +271,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     log-sum-exp (-inf, with out 0, for a row that sees no key). It runs the input checks
     attention_varlen runs, and also those of cu_seqlens' values (check_cu_seqlens), which the
     kernel path skips. upcast=False keeps the inputs' dtype for the matmuls (the numerics rule's
-    low-precision reference); `deterministic` is accepted for the same signature (this is).
+    low-precision reference); `deterministic` and a zero `dropout_p` are accepted for the same
+    signature (this is deterministic, and has no dropout).
     """
     from . import variants
-    from .varlen import check_shapes
+    from .varlen import check_no_dropout, check_shapes
 
+    check_no_dropout(dropout_p)
     check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kernel=False)
     variants.make(causal, window_size, softcap, alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device)
     starts_q = check_cu_seqlens(cu_seqlens_q, q.shape[0], max_seqlen_q, "cu_seqlens_q")

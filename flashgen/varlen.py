@@ -298,10 +298,17 @@ def _scale(scale, head_dim: int) -> float:
     return scale
 
 
+def check_no_dropout(dropout_p) -> None:
+    """flash_attn_varlen_func's dropout_p, accepted where callers pass 0.0 (inference, or training
+    without attention dropout); any other value is refused, never ignored."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0:
+        raise ValueError(f"dropout_p={dropout_p!r}: flashgen computes exact attention without dropout; pass 0.0")
+
+
 def attention_varlen(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None, causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
-    return_lse: bool = False,
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p: float = 0.0, softmax_scale=None,
+    causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None,
+    deterministic: bool = False, return_lse: bool = False,
 ):
     """Exact attention over a batch of sequences of different lengths, packed without padding;
     FlashAttention's flash_attn_varlen_func (names, layouts, semantics). Differentiable.
@@ -324,7 +331,9 @@ def attention_varlen(
     tiles outside the window are never visited; softcap > 0 makes the scaled scores
     softcap * tanh(s / softcap); alibi_slopes, fp32 of shape (heads,) or (batch, heads) (batch =
     the sequence's index), adds -slope * |i' - j|. All are differentiable (no gradient for the
-    slopes).
+    slopes). The arguments stand in flash_attn_varlen_func's order, dropout_p included, so calls
+    swap whether they pass them by position or by name; there is no dropout (exact attention), so
+    dropout_p must be 0.
 
     Checked on every call, without a sync: types, shapes (3-D packed tensors, (batch + 1,)
     offsets), dtypes (int32 offsets), GQA head counts, head dims, devices, max_seqlen values.
@@ -338,6 +347,7 @@ def attention_varlen(
     if isinstance(q, torch.Tensor) and q.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
         dtype = torch.get_autocast_dtype("cuda")  # under autocast, like SDPA: fp32 in, autocast dtype
         q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
+    check_no_dropout(dropout_p)
     chosen = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_size, softcap,
                           alibi_slopes)
     variant = () if chosen == variants.PLAIN else (chosen.window_left, chosen.window_right, chosen.softcap, alibi_slopes)

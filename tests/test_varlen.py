@@ -11,7 +11,7 @@ import torch
 from test_launch import PTX_TYPES, driver, stub_kernels, stub_tensor_maps, unpack  # noqa: F401  (fixtures)
 
 import flashgen
-from flashgen import plans, tuning
+from flashgen import plans, reference, tuning
 from flashgen.compile import compile_ptx, compile_source
 from flashgen.families import STATS_PAD
 from flashgen.families.backward import padded_varlen
@@ -423,6 +423,28 @@ BAD = [
 def test_bad_input_raises_a_named_error(changes, error, message):
     with pytest.raises(error, match=message):
         flashgen.attention_varlen(**inputs(**changes))
+
+
+@pytest.mark.parametrize("dropout_p", [0.1, -0.5, "0", True, None])
+def test_dropout_is_refused_not_ignored(dropout_p):
+    for fn in (flashgen.attention_varlen, reference.attention_varlen):
+        with pytest.raises(ValueError, match=f"dropout_p={dropout_p!r}: flashgen computes exact attention without dropout; pass 0.0"):
+            fn(**inputs(), dropout_p=dropout_p)
+
+
+def test_flash_attn_varlen_funcs_argument_order():
+    """dropout_p 0.0 by position or by name, then softmax_scale and causal by position, as callers of
+    flash_attn_varlen_func write them."""
+    args = inputs()
+    names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+    positional = [args[name] for name in names]
+    with pytest.raises(ValueError, match="runs on NVIDIA GPUs"):
+        flashgen.attention_varlen(*positional, 0.0, 0.125, True)
+    with pytest.raises(ValueError, match="runs on NVIDIA GPUs"):
+        flashgen.attention_varlen(*positional, dropout_p=0, softmax_scale=0.125, causal=True)
+    q, k, v = (torch.randn(t.shape) for t in positional[:3])
+    by_position = reference.attention_varlen(q, k, v, *positional[3:], 0.0, 0.125, True)
+    assert torch.equal(by_position, reference.attention_varlen(q, k, v, *positional[3:], softmax_scale=0.125, causal=True))
 
 
 def test_bad_softmax_scale_is_named():
