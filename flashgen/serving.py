@@ -45,6 +45,18 @@ def _tensor(name: str, t, dims: int, layout: str) -> None:
         raise ValueError(f"{name} must have {dims} dimensions {layout}; got shape {tuple(t.shape)}")
 
 
+def _pair_like_q(q, first, second, dims: int, layout: str) -> None:
+    """Two (name, tensor) arguments that come together (k and v, rotary_cos and rotary_sin): each a
+    tensor of `dims` dimensions with q's dtype, and both of one shape."""
+    for name, t in (first, second):
+        _tensor(name, t, dims, layout)
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype}; it must have q's dtype, {q.dtype}")
+    (a, x), (b, y) = first, second
+    if x.shape != y.shape:
+        raise ValueError(f"{a} and {b} must have one shape; got {tuple(x.shape)} and {tuple(y.shape)}")
+
+
 def _well_formed(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits):
     """check_kvcache_inputs' answer for a call made the common way (tensors of the right types,
     shapes and device; lengths as a tensor or None), else None: each attribute read once, since
@@ -126,12 +138,7 @@ def _rotary_style(q, k, rotary_cos, rotary_sin, rotary_interleaved, capacity: in
         return ""
     if rotary_cos is None or rotary_sin is None:
         raise ValueError("rotary_cos and rotary_sin come together: pass both or neither")
-    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
-        _tensor(name, t, 2, "(seqlen_ro, rotary_dim / 2)")
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype}; it must have q's dtype, {q.dtype}")
-    if rotary_sin.shape != rotary_cos.shape:
-        raise ValueError(f"rotary_cos and rotary_sin must have one shape; got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
+    _pair_like_q(q, ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), 2, "(seqlen_ro, rotary_dim / 2)")
     if k is None:
         raise ValueError("rotary_cos and rotary_sin turn the appended keys and q: pass the new k and v as well (FlashAttention's rule)")
     seqlen_ro, rotary_dim = rotary_cos.shape[0], 2 * rotary_cos.shape[1]
@@ -186,12 +193,7 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
         raise ValueError(f"k and v are appended together: got k {'None' if k is None else 'a tensor'} and v {'None' if v is None else 'a tensor'}")
     seqlen_new = 0
     if k is not None:
-        for name, t in (("k", k), ("v", v)):
-            _tensor(name, t, 4, "(batch, seqlen_new, heads_kv, head_dim)")
-            if t.dtype != q.dtype:
-                raise TypeError(f"{name} has dtype {t.dtype}; it must have q's dtype, {q.dtype}")
-        if k.shape != v.shape:
-            raise ValueError(f"k and v must have one shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+        _pair_like_q(q, ("k", k), ("v", v), 4, "(batch, seqlen_new, heads_kv, head_dim)")
         if k.shape[0] != batch or k.shape[2] != kv_heads or k.shape[3] != head_dim:
             raise ValueError(
                 f"k and v must be (batch, seqlen_new, heads_kv, head_dim) = ({batch}, seqlen_new, {kv_heads}, {head_dim}); "
@@ -334,7 +336,7 @@ def attention_with_kvcache(
     values = launch_values(q, k_cache, v_cache, k, v, cache_seqlens, block_table, capacity, seqlen_new, o, lse, splits,
                            causal, scale, variant, alibi_slopes)
     if not common:
-        values.update(cache_rows(cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin))
+        values.update(launch_extras(cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin))
     plan.run(device, values)
     return (o, lse) if return_softmax_lse else o
 
@@ -368,7 +370,7 @@ def launch_values(q, k_cache, v_cache, k, v, cache_seqlens, block_table, capacit
     return values
 
 
-def cache_rows(cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin) -> dict:
+def launch_extras(cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin) -> dict:
     """The launch values of the less common arguments: the cache rows and left pads (1-D int32,
     read with stride 1) and the rotary tables (contiguous rows from a 16-byte boundary)."""
     def rows(t):

@@ -626,14 +626,14 @@ def test_rotary_and_cache_rows_are_packed(driver, stub_kernels, cpu_device):
     cos, sin = torch.zeros(101, 16, dtype=BF16), torch.zeros(102, 16, dtype=BF16)[1:]  # sin starts 32 bytes in: fine
     odd = torch.zeros(102 * 16 + 4, dtype=BF16)[4:].view(102, 16)[1:]  # 8 bytes off a 16-byte boundary: copied
     idx, pads = torch.tensor([4, 0], dtype=torch.int32), torch.zeros(2, 2, dtype=torch.int32)[:, 1]  # pads: stride 2, copied
-    values.update(serving.cache_rows(idx, pads, cos, odd))
+    values.update(serving.launch_extras(idx, pads, cos, odd))
     plan.run(-1, values)
     got = unpack(spec, driver.launches[0]["params"])
     assert got["rotary_cos"] == cos.data_ptr() and got["rotary_sin"] not in (0, odd.data_ptr()) and got["rotary_sin"] % 16 == 0
     assert (got["rotary_dim"], got["rotary_rows"]) == (32, 101)
     assert got["cache_batch_idx"] == idx.data_ptr() and got["cache_batches"] == 5
     assert got["cache_leftpad"] not in (0, pads.data_ptr())
-    assert serving.cache_rows(None, None, sin, sin)["rotary_sin"] is sin
+    assert serving.launch_extras(None, None, sin, sin)["rotary_sin"] is sin
     paged_spec = plans.decode(-1, 64, BF16, True, 4, 2, 2, 101, 0, (), "halves")[0].kernels[0].spec
     names = {p.name for p in paged_spec.family.params(paged_spec).params}
     assert {"rotary_cos", "rotary_dim"} <= names and not {"cache_batch_idx", "cache_leftpad"} & names
