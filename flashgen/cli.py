@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from .families import KINDS
-from .spec import ARCHS, SpecError
+from .spec import ARCHS, ROTARY_STYLES, SpecError
 from .variants import FIELDS as VARIANTS
 
 console = Console()
@@ -77,6 +77,8 @@ def spec_options(multiple: bool):
                          callback=_words(ARCHS), help="compile target(s)"),
             click.option("--variant", "variant", default=None, callback=_words(VARIANTS),
                          help=f"attention variants the kernels have, comma-separated: {', '.join(VARIANTS)}"),
+            click.option("--rotary", default=None, type=click.Choice(ROTARY_STYLES),
+                         help="rotary embedding of q and the appended keys (decode kinds: flash_attn_with_kvcache's tables)"),
         ]
         for option in reversed(options):
             fn = option(fn)
@@ -86,7 +88,7 @@ def spec_options(multiple: bool):
 
 
 def specs_from_options(head_dims, blocks_m, blocks_n, warps, stages, dtypes, causal, no_causal, archs, variant=None,
-                       kind=None):
+                       rotary=None, kind=None):
     """Every combination of the options, each field the tuning table's choice unless given; kind
     None is the forward kernel the tables pick for the target (and the variants)."""
     from . import tuning
@@ -98,7 +100,7 @@ def specs_from_options(head_dims, blocks_m, blocks_n, warps, stages, dtypes, cau
     for head_dim, dtype, is_causal, arch in product(head_dims, dtypes, causals, archs):
         tuned = tuning.tuned_spec(kind, head_dim, dtype, is_causal, arch, tuple(variant or ()))
         for block_m, block_n, num_warps, num_stages in product(blocks_m or [None], blocks_n or [None], warps or [None], stages or [None]):
-            changes = {"block_m": block_m, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages}
+            changes = {"block_m": block_m, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages, "rotary": rotary}
             changes = {field: value for field, value in changes.items() if value is not None}
             if "num_warps" not in changes and {"block_m", "block_n"} & set(changes) and hasattr(tuned.family, "owner"):
                 changes["num_warps"] = _warps_for(tuned, changes)

@@ -166,6 +166,15 @@ def test_show_a_backward_kernel():
     assert failed(run("show", "--d", 64, "--kind", "bwd_prep", "--block", 64), "a bwd_prep kernel does not use block_m")
 
 
+def test_show_a_rotary_decode_kernel():
+    result = run("show", "--d", 128, "--kind", "decode_paged", "--rotary", "halves")
+    assert result.exit_code == 0, result.output
+    assert "_rope_halves(" in result.output and "struct Rotary" in result.output
+    assert "struct Rotary" not in run("show", "--d", 128, "--kind", "decode").output
+    assert failed(run("show", "--d", 64, "--rotary", "interleaved"), "a fwd_sm90 kernel does not use rotary")
+    assert run("show", "--d", 64, "--kind", "decode", "--rotary", "sideways").exit_code != 0
+
+
 def test_show_resources_compiles():
     result = run("show", "--d", 64, "--resources")
     assert result.exit_code == 0, result.output
