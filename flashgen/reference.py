@@ -262,7 +262,7 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, max_seqlen: int, name
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
                      causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                     return_lse=False, upcast=True):
+                     return_lse=False, block_table=None, upcast=True):
     """flashgen.attention_varlen in plain PyTorch, on any device (the CPU included): naive
     attention of each sequence alone, bottom-right causal within it, and so the variants
     (naive_attention's: the window and ALiBi aligned to each sequence's own end; alibi_slopes
@@ -272,19 +272,27 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     attention_varlen runs, and also those of cu_seqlens' values (check_cu_seqlens), which the
     kernel path skips. upcast=False keeps the inputs' dtype for the matmuls (the numerics rule's
     low-precision reference); `deterministic` and a zero `dropout_p` are accepted for the same
-    signature (this is deterministic, and has no dropout).
+    signature (this is deterministic, and has no dropout). With a block_table, k and v are a paged
+    cache and sequence b's keys are the first cu_seqlens_k[b + 1] - cu_seqlens_k[b] positions of its
+    pages (clamped to the table's capacity; a page outside the cache reads as zeros), as in the kernel.
     """
     from . import variants
     from .varlen import check_no_dropout, check_shapes
 
     check_no_dropout(dropout_p)
-    check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kernel=False)
+    check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kernel=False, block_table=block_table)
     variants.make(causal, window_size, softcap, alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device)
     starts_q = check_cu_seqlens(cu_seqlens_q, q.shape[0], max_seqlen_q, "cu_seqlens_q")
-    starts_k = check_cu_seqlens(cu_seqlens_k, k.shape[0], max_seqlen_k, "cu_seqlens_k")
+    total_k = k.shape[0] if block_table is None else int(cu_seqlens_k[-1])  # paged: the offsets give lengths only
+    starts_k = check_cu_seqlens(cu_seqlens_k, total_k, max_seqlen_k, "cu_seqlens_k")
     outs, lses = [q.new_zeros((0, *q.shape[1:]))], [torch.zeros(q.shape[1], 0, device=q.device)]
     for seq, ((q0, q1), (k0, k1)) in enumerate(zip(zip(starts_q, starts_q[1:]), zip(starts_k, starts_k[1:]))):
-        seq_q, seq_k, seq_v = (t[a:b].transpose(0, 1)[None] for t, a, b in ((q, q0, q1), (k, k0, k1), (v, k0, k1)))
+        seq_q = q[q0:q1].transpose(0, 1)[None]
+        if block_table is None:
+            seq_k, seq_v = (t[k0:k1].transpose(0, 1)[None] for t in (k, v))
+        else:
+            positions = torch.arange(min(max(k1 - k0, 0), block_table.shape[1] * k.shape[1]), device=k.device)
+            seq_k, seq_v = (_cache_rows(t, seq, positions, block_table).transpose(0, 1)[None] for t in (k, v))
         o, lse = naive_attention(seq_q, seq_k, seq_v, causal=causal, scale=softmax_scale, upcast=upcast,
                                  window_size=window_size, softcap=softcap, alibi_slopes=_slopes_of(alibi_slopes, seq))
         outs.append(o[0].transpose(0, 1))

@@ -265,17 +265,18 @@ def decode_block_m(rows: int) -> int:
 
 
 def decode_spec(head_dim: int, dtype: str, arch: str, paged: bool, rows: int, variant: tuple[str, ...] = (),
-                rotary: str = "") -> KernelSpec:
+                rotary: str = "", varlen: bool = False) -> KernelSpec:
     """The decode kernel for a problem: the table's first tile shape (block_n, num_warps,
     num_stages) that is a valid spec with the block_m the rows need; `variant` names the variant
-    fields to set, `rotary` the rotary embedding's style ("" = none)."""
+    fields to set, `rotary` the rotary embedding's style ("" = none), `varlen` packed sequences
+    (flash_attn_varlen_func over a paged cache)."""
     kind = "decode_paged" if paged else "decode"
     check_head_dim(head_dim)
     error = None
     for tiles in candidates(kind, head_dim, dtype, False, arch, "*", variant=bool(variant)):
         try:
             return KernelSpec(head_dim=head_dim, dtype=dtype, arch=arch, kind=kind, **{**tiles, "block_m": decode_block_m(rows)},
-                              **dict.fromkeys(variant, True), rotary=rotary)
+                              **dict.fromkeys(variant, True), rotary=rotary, varlen=varlen)
         except SpecError as rejected:
             error = rejected
     raise SpecError(f"no {kind} tile shape fits head_dim={head_dim} on {arch}: {error or 'the tuning table has no entry'}")

@@ -6,6 +6,10 @@ sequence's rows through cu_seqlens, so no token is copied into a padded layout a
 on padding (blocks past their sequence's end exit at once). Like attention(), the call goes through
 torch.library custom ops under torch.compile and straight to the implementation in eager mode; it
 reads nothing from the GPU on the host, so it never syncs and is CUDA-graph capturable.
+
+With a block_table (flash_attn_varlen_func's paged KV cache: chunked prefill over cached prefixes)
+the keys and values are pages of a cache, and the decode kernels run it (the `varlen` form of
+decode_paged), forward only, as in FlashAttention.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 
 from . import plans, variants
 from .api import _variant_values
+from .families.decode import PAGE_SIZES
 from .plans import DTYPES, MAX_GRID_YZ
 from .spec import HEAD_DIM_RULE
 
@@ -196,19 +201,23 @@ def _well_formed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     )
 
 
-def check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kernel: bool = True) -> None:
+def check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kernel: bool = True,
+                 block_table=None) -> None:
     """Every check that needs neither the GPU nor cu_seqlens' values: named errors for what the
     kernels cannot take. The reference runs them with kernel=False: any floating dtype and head dim,
-    any strides."""
-    for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+    any strides. With a block_table, k and v are a paged cache (num_blocks, page_size, heads_kv,
+    head_dim)."""
+    paged = block_table is not None
+    named = [("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)]
+    for name, t in named + ([("block_table", block_table)] if paged else []):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    for name, t, rows in (("q", q, "total_q, heads"), ("k", k, "total_k, heads_kv"), ("v", v, "total_k, heads_kv")):
-        if t.dim() != 3:
-            raise ValueError(
-                f"{name} must have 3 dimensions ({rows}, head_dim): packed sequences, like "
-                f"flash_attn_varlen_func; got shape {tuple(t.shape)}"
-            )
+    kv_rows = "num_blocks, page_size, heads_kv" if paged else "total_k, heads_kv"
+    for name, t, rows in (("q", q, "total_q, heads"), ("k", k, kv_rows), ("v", v, kv_rows)):
+        dims = 4 if paged and name != "q" else 3
+        if t.dim() != dims:
+            what = "a paged cache, with block_table" if dims == 4 else "packed sequences, like flash_attn_varlen_func"
+            raise ValueError(f"{name} must have {dims} dimensions ({rows}, head_dim): {what}; got shape {tuple(t.shape)}")
         if t.dtype not in DTYPES and (kernel or not t.dtype.is_floating_point):
             raise TypeError(
                 f"{name} has dtype {t.dtype}; flashgen supports torch.float16 and torch.bfloat16 "
@@ -217,15 +226,16 @@ def check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k, v must share one dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape (total_k, heads_kv, head_dim); got k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(f"k and v must have the same shape ({kv_rows}, head_dim); got k {tuple(k.shape)}, v {tuple(v.shape)}")
     total_q, heads, head_dim = q.shape
-    if k.shape[1] == 0 or heads % k.shape[1]:
+    kv_heads = k.shape[-2]
+    if kv_heads == 0 or heads % kv_heads:
         raise ValueError(
-            f"q has {heads} heads and k, v have {k.shape[1]}: the number of query heads must be a "
+            f"q has {heads} heads and k, v have {kv_heads}: the number of query heads must be a "
             f"multiple of the number of key/value heads (GQA/MQA)"
         )
-    if k.shape[2] != head_dim:
-        raise ValueError(f"q, k, v must have the same head_dim; got q {head_dim}, k {k.shape[2]}, v {v.shape[2]}")
+    if k.shape[-1] != head_dim:
+        raise ValueError(f"q, k, v must have the same head_dim; got q {head_dim}, k {k.shape[-1]}, v {v.shape[-1]}")
     if kernel and (head_dim % 8 or not 8 <= head_dim <= 256):
         raise ValueError(f"head_dim={head_dim} is not supported: it must be {HEAD_DIM_RULE}")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -248,18 +258,44 @@ def check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
             f"and {tuple(cu_seqlens_k.shape)}"
         )
     batch = cu_seqlens_q.shape[0] - 1
+    if paged:
+        _check_block_table(block_table, batch, k.shape[1], kernel)
     if batch > MAX_GRID_YZ or heads > MAX_GRID_YZ:
         raise ValueError(
             f"attention_varlen takes at most {MAX_GRID_YZ:,} sequences and {MAX_GRID_YZ:,} query heads a call "
             f"(a grid's z and y); got {batch:,} sequences of {heads:,} heads: split the call"
         )
-    for name, value, total, t in (("max_seqlen_q", max_seqlen_q, total_q, "q"), ("max_seqlen_k", max_seqlen_k, k.shape[0], "k")):
+    for name, value, total, t in (("max_seqlen_q", max_seqlen_q, total_q, "q"), ("max_seqlen_k", max_seqlen_k, 0 if paged else k.shape[0], "k")):
         if not _is_length(value) or value < 0:
             raise ValueError(f"{name}={value!r}: must be a non-negative int, the longest sequence's length (a Python int)")
         if total and not value:
             raise ValueError(f"{name}=0 but {t} has {total} rows: it must be the longest sequence's length")
         if total and not batch:
             raise ValueError(f"cu_seqlens_{t[0]} holds no sequence (shape (1,)) but {t} has {total} rows")
+
+
+def _check_block_table(block_table, batch: int, page_size: int, kernel: bool) -> None:
+    if block_table.dtype != torch.int32:
+        raise TypeError(f"block_table must have dtype torch.int32, got {block_table.dtype}")
+    if block_table.dim() != 2 or block_table.shape[0] != batch:
+        raise ValueError(f"block_table must be (batch, max_blocks_per_sequence) with batch {batch}; got shape {tuple(block_table.shape)}")
+    if kernel and page_size not in PAGE_SIZES:
+        raise ValueError(f"page_size={page_size} (k.shape[1]) is not supported: a paged cache's pages must hold a multiple of 16 "
+                         f"tokens from 16 to 256")
+
+
+def _check_paged(q, k, v) -> None:
+    """What the paged form adds: the caches are read in place (16-byte aligned rows), and there is
+    no backward through them (FlashAttention has none either)."""
+    from .serving import _is_aligned
+
+    for name, t in (("k", k), ("v", v)):
+        if not _is_aligned(t):
+            raise ValueError(f"{name} (a paged cache, read in place) must have 16-byte aligned rows: its address and strides "
+                             f"multiples of 16 bytes; got strides {t.stride()}")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError("attention_varlen with a block_table computes no gradients (as in FlashAttention): call it under "
+                         "torch.no_grad(), or with tensors that do not require grad")
 
 
 def check_variant(q, cu_seqlens_q, causal, window_size, softcap, alibi_slopes) -> variants.Variant:
@@ -271,18 +307,21 @@ def check_variant(q, cu_seqlens_q, causal, window_size, softcap, alibi_slopes) -
 
 
 def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, window_size=(-1, -1),
-                 softcap=0.0, alibi_slopes=None) -> variants.Variant:
+                 softcap=0.0, alibi_slopes=None, block_table=None) -> variants.Variant:
     """Raise a clear error for anything the kernels cannot take (nothing that needs a sync);
     returns the call's variants."""
-    if _well_formed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    if block_table is None and _well_formed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
         return check_variant(q, cu_seqlens_q, causal, window_size, softcap, alibi_slopes)
-    check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=block_table)
     variant = check_variant(q, cu_seqlens_q, causal, window_size, softcap, alibi_slopes)
     tensors = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
+    if block_table is not None:
+        tensors["block_table"] = block_table
+        _check_paged(q, k, v)
     devices = {t.device for t in tensors.values()}
     if len(devices) > 1:
         where = ", ".join(f"{name} {t.device}" for name, t in tensors.items())
-        raise ValueError(f"q, k, v, cu_seqlens_q, cu_seqlens_k must be on one device; got {where}")
+        raise ValueError(f"{', '.join(tensors)} must be on one device; got {where}")
     if q.device.type != "cuda":
         why = "" if torch.cuda.is_available() else " (and PyTorch sees no CUDA GPU on this machine)"
         raise ValueError(f"flashgen.attention_varlen runs on NVIDIA GPUs: its inputs are on {q.device}{why}")
@@ -298,6 +337,31 @@ def _scale(scale, head_dim: int) -> float:
     return scale
 
 
+def paged_forward(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, causal,
+                  scale, variant: variants.Variant, alibi_slopes, need_lse):
+    """(o, lse) of packed queries over their pages of a paged cache: the decode plan's varlen
+    kernel, sized by max_seqlen_q and max_seqlen_k (never by cu_seqlens' values, so a captured graph
+    replays with new ones); o like q, lse (heads, total_q) fp32 or None."""
+    from .serving import launch_values
+
+    total_q, heads, head_dim = q.shape
+    batch, page_size, kv_heads = cu_seqlens_q.shape[0] - 1, k_cache.shape[1], k_cache.shape[2]
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(heads, total_q, dtype=torch.float32, device=q.device) if need_lse else None
+    if o.numel() == 0 or batch == 0:
+        return o, lse
+    device = q.get_device()
+    capacity = block_table.shape[1] * page_size
+    plan, splits = plans.decode(device, head_dim, q.dtype, True, max_seqlen_q * (heads // kv_heads), batch, kv_heads,
+                                min(max_seqlen_k, capacity), 0, variant.fields, "", True)
+    values = launch_values(q[None], k_cache, v_cache, None, None, None, block_table, capacity, 0, o[None], lse, splits, causal,
+                           scale, variant, alibi_slopes)
+    values.update(batch=batch, seqlen_q=max_seqlen_q, cu_seqlens_q=cu_seqlens_q.contiguous(),
+                  cu_seqlens_k=cu_seqlens_k.contiguous(), total_q=total_q)
+    plan.run(device, values)
+    return o, lse
+
+
 def check_no_dropout(dropout_p) -> None:
     """flash_attn_varlen_func's dropout_p, accepted where callers pass 0.0 (inference, or training
     without attention dropout); any other value is refused, never ignored."""
@@ -308,7 +372,7 @@ def check_no_dropout(dropout_p) -> None:
 def attention_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p: float = 0.0, softmax_scale=None,
     causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None,
-    deterministic: bool = False, return_lse: bool = False,
+    deterministic: bool = False, return_lse: bool = False, block_table=None,
 ):
     """Exact attention over a batch of sequences of different lengths, packed without padding;
     FlashAttention's flash_attn_varlen_func (names, layouts, semantics). Differentiable.
@@ -335,6 +399,14 @@ def attention_varlen(
     swap whether they pass them by position or by name; there is no dropout (exact attention), so
     dropout_p must be 0.
 
+    block_table: int32 (batch, max_blocks), FlashAttention's paged KV cache. k and v are then
+    caches (num_blocks, page_size, heads_kv, d), page_size a multiple of 16 from 16 to 256, read in
+    place; sequence b's keys are the first cu_seqlens_k[b + 1] - cu_seqlens_k[b] positions of its
+    pages (block_table[b] in order; a length past max_blocks * page_size is clamped to it, a page
+    outside the cache reads as zeros). Chunked prefill over cached prefixes: causal aligns each
+    sequence's queries to the end of its keys. Forward only (no gradients, as in FlashAttention);
+    max_seqlen_k bounds the key lengths a captured graph may replay with.
+
     Checked on every call, without a sync: types, shapes (3-D packed tensors, (batch + 1,)
     offsets), dtypes (int32 offsets), GQA head counts, head dims, devices, max_seqlen values.
     Not checked: cu_seqlens' values (starting at 0, non-decreasing, ending at total_q / total_k,
@@ -349,7 +421,11 @@ def attention_varlen(
         q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
     check_no_dropout(dropout_p)
     chosen = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_size, softcap,
-                          alibi_slopes)
+                          alibi_slopes, block_table)
+    if block_table is not None:
+        o, lse = paged_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, bool(causal),
+                               _scale(softmax_scale, q.shape[-1]), chosen, alibi_slopes, bool(return_lse))
+        return (o, lse) if return_lse else o
     variant = () if chosen == variants.PLAIN else (chosen.window_left, chosen.window_right, chosen.softcap, alibi_slopes)
     o, lse = run(
         q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k, bool(causal),

@@ -639,6 +639,37 @@ def test_rotary_and_cache_rows_are_packed(driver, stub_kernels, cpu_device):
     assert {"rotary_cos", "rotary_dim"} <= names and not {"cache_batch_idx", "cache_leftpad"} & names
 
 
+def test_paged_varlen_runs_the_decode_kernels_varlen_form(driver, stub_kernels, cpu_device):
+    """attention_varlen over a block table: one decode_paged launch over the sequences (grid z), its
+    rows sized by max_seqlen_q, the offsets read on the device, lse in the varlen layout."""
+    from flashgen import varlen, variants
+
+    q = torch.zeros(9, 32, 128, dtype=BF16)  # 32 query heads on 8 KV heads
+    k_cache = torch.zeros(40, 16, 8, 128, dtype=BF16)
+    cu_q, cu_k = torch.tensor([0, 3, 3, 9], dtype=torch.int32), torch.tensor([0, 100, 140, 500], dtype=torch.int32)
+    table = torch.zeros(3, 40, dtype=torch.int32)
+    o, lse = varlen.paged_forward(q, k_cache, k_cache, cu_q, cu_k, 6, 500, table, True, 0.125, variants.PLAIN, None, True)
+    assert o.shape == q.shape and lse.shape == (32, 9)
+    (launch,) = driver.launches
+    plan, splits = plans.decode(-1, 128, BF16, True, 6 * 4, 3, 8, 500, 0, (), "", True)
+    spec = plan.kernels[0].spec
+    assert spec.kind == "decode_paged" and spec.varlen and spec.name.endswith("_varlen") and spec.block_m == 64
+    got = unpack(spec, launch["params"])
+    assert (got["cu_seqlens_q"], got["cu_seqlens_k"], got["total_q"], got["seqlen_q"]) == (cu_q.data_ptr(), cu_k.data_ptr(), 9, 6)
+    assert got["lse"] == lse.data_ptr() and got["o"] == o.data_ptr() and got["seqlen_new"] == 0 and got["capacity"] == 640
+    assert (got["q_row"], got["q_head"]) == (32 * 128, 128)
+    assert launch["grid"] == (splits, 8, 3)  # one row tile (24 rows) x splits, KV heads, sequences
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(kind="decode", varlen=True), "a decode kernel takes packed sequences over a paged cache"),
+    (dict(kind="decode_paged", varlen=True, rotary="halves"), "rotary embedding turns appended keys, and packed sequences append none"),
+])
+def test_decode_varlen_specs_are_paged_and_append_nothing(fields, message):
+    with pytest.raises(SpecError, match=message):
+        KernelSpec(head_dim=64, block_m=16, block_n=64, num_stages=3, **fields)
+
+
 def test_a_kernel_without_rotary_renders_no_trace_of_it():
     plain = render(tuning.decode_spec(64, "bf16", "sm_90a", False, 4))
     assert "otary" not in plain and "st_shared_16" not in plain

@@ -531,6 +531,84 @@ def test_rotary_and_cache_row_errors_on_the_gpu():
             flashgen.attention_with_kvcache(*args.values(), **keywords)
 
 
+# ---- attention_varlen over a paged cache (flash_attn_varlen_func's block_table): the decode kernels'
+# varlen form -----------------------------------------------------------------------------------------
+
+
+class PagedVarlen:
+    """Packed queries of sequences of lens_q over their first lens_k keys in shuffled pages."""
+
+    def __init__(self, lens_q, lens_k, heads, kv_heads, head_dim, page_size=16, dtype=torch.bfloat16, seed=0):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        cumsum = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda", dtype=torch.int32)  # noqa: E731
+        self.cu_q, self.cu_k = cumsum(lens_q), cumsum(lens_k)
+        self.max_q, self.max_k = max(lens_q), max(lens_k)
+        per_seq = max(-(-self.max_k // page_size), 1)
+        pages = len(lens_q) * per_seq + 3
+        self.q = randn(sum(lens_q), heads, head_dim, dtype=dtype, gen=gen)
+        self.k_cache, self.v_cache = (randn(pages, page_size, kv_heads, head_dim, dtype=dtype, gen=gen) for _ in range(2))
+        order = torch.randperm(pages, device="cuda", generator=gen)[: len(lens_q) * per_seq]
+        self.block_table = order.view(len(lens_q), per_seq).to(torch.int32)
+
+    def run(self, **options):
+        cpu = {name: value.cpu() if isinstance(value, torch.Tensor) else value for name, value in options.items()}
+        args = (self.q, self.k_cache, self.v_cache, self.cu_q, self.cu_k, self.max_q, self.max_k)
+        ref_args = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
+        ref, ref_lse = reference.attention_varlen(*ref_args, block_table=self.block_table.cpu(), return_lse=True, **cpu)
+        ref_lp = reference.attention_varlen(*ref_args, block_table=self.block_table.cpu(), upcast=False, **cpu)
+        before = self.k_cache.clone(), self.v_cache.clone()
+        out, lse = flashgen.attention_varlen(*args, block_table=self.block_table, return_lse=True, **options)
+        check(out, lse, ref, ref_lse, ref_lp)
+        assert torch.equal(self.k_cache, before[0]) and torch.equal(self.v_cache, before[1]), "a cache was written"
+        return out, lse
+
+
+PAGED_VARLEN = [  # lens_q, lens_k: chunks over cached prefixes, an empty sequence, a query longer than its keys
+    ([3, 0, 5, 1, 64], [10, 4, 1000, 0, 300]),
+    ([1] * 7, [17, 1, 4096, 33, 250, 999, 2]),  # a batch of decode steps: split-KV at work
+    ([200, 7], [150, 4000]),  # causal: the first 50 queries of sequence 0 see no key
+]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("lens", PAGED_VARLEN, ids=["chunks", "steps", "long"])
+@pytest.mark.parametrize("shape", [(32, 8, 128, 16), (6, 6, 64, 64), (8, 1, 256, 32)], ids=["gqa-d128", "mha-d64", "mqa-d256"])
+def test_paged_varlen(shape, lens, causal):
+    heads, kv_heads, head_dim, page_size = shape
+    PagedVarlen(*lens, heads, kv_heads, head_dim, page_size, seed=head_dim).run(causal=causal)
+
+
+@pytest.mark.parametrize("name", ["window", "softcap", "alibi-batch", "gemma"])
+def test_paged_varlen_variants(name):
+    problem = PagedVarlen(*PAGED_VARLEN[0], 8, 2, 128, 16, dtype=torch.float16, seed=3)
+    options = {"window": dict(window_size=(40, 0)), "softcap": dict(softcap=20.0),
+               "alibi-batch": dict(alibi_slopes=slopes(5, 8, per_sequence=True)),
+               "gemma": dict(window_size=(100, 0), softcap=30.0)}[name]
+    problem.run(causal=True, **options)
+
+
+def test_paged_varlen_replays_from_a_cuda_graph():
+    """Captured once with the longest lengths, replayed with other cu_seqlens (no longer)."""
+    problem = PagedVarlen([4, 9, 1], [300, 2000, 50], 16, 4, 128, 16, seed=8)
+    problem.max_q = 14  # the bound the replays stay within (max_k: 2000 already)
+    args = (problem.q, problem.k_cache, problem.v_cache, problem.cu_q, problem.cu_k, problem.max_q, problem.max_k)
+    flashgen.attention_varlen(*args, causal=True, block_table=problem.block_table)  # load the kernel off the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = flashgen.attention_varlen(*args, causal=True, block_table=problem.block_table, return_lse=True)
+    for lens_q, lens_k in (([4, 9, 1], [300, 2000, 50]), ([2, 9, 3], [1, 1999, 0]), ([14, 0, 0], [2000, 7, 7])):
+        problem.cu_q.copy_(torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32))
+        problem.cu_k.copy_(torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_args = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
+        ref, ref_lse = reference.attention_varlen(*ref_args[:5], 14, 2000, causal=True, block_table=problem.block_table.cpu(),
+                                                  return_lse=True)
+        ref_lp = reference.attention_varlen(*ref_args[:5], 14, 2000, causal=True, block_table=problem.block_table.cpu(), upcast=False)
+        check(out, lse, ref, ref_lse, ref_lp)
+
+
 # ---- merge_attention_states ----------------------------------------------------------------------
 
 

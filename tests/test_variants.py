@@ -219,6 +219,13 @@ VARIANT_SPECS += list(dict.fromkeys(
     for paged in (False, True)
     for rows in tuning.DECODE_BLOCK_M
 ))
+# And packed sequences over a paged cache (attention_varlen's block_table), the same way.
+VARIANT_SPECS += list(dict.fromkeys(
+    tuning.decode_spec(head_dim, "bf16", arch, True, rows, fields, varlen=True)
+    for arch, fields, head_dims in (("sm_90a", ALL, tuning.TEST_HEAD_DIMS), ("sm_90a", (), (128,)), ("sm_80", (), (128,)))
+    for head_dim in head_dims
+    for rows in tuning.DECODE_BLOCK_M
+))
 # And with rotary embedding (a style for each cache layout): beside every variant on the H200, and
 # alone at d = 128 on both targets.
 VARIANT_SPECS += list(dict.fromkeys(

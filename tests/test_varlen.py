@@ -546,3 +546,81 @@ def test_variant_plans_pick_the_variant_kernels_and_pack_their_values(driver, st
     assert [k.spec.kind for k in backward.kernels] == ["bwd_prep", "bwd_sm90_kvq", "bwd_dq_sm90"]
     long = plans.forward_varlen(-1, 64, torch.bfloat16, True, 4000, "", ("window",)).kernels[0].spec
     assert long.kind == "fwd_sm90" and long.varlen and long.window
+
+
+# ---- a paged KV cache (flash_attn_varlen_func's block_table): the decode kernels' varlen form -----
+
+
+def paged_problem(seed=0, page=16):
+    gen = torch.Generator().manual_seed(seed)
+    cu_q, cu_k = torch.tensor([0, 3, 3, 8, 9], dtype=torch.int32), torch.tensor([0, 10, 14, 54, 54], dtype=torch.int32)
+    q = torch.randn(9, 4, 16, generator=gen)
+    k_cache, v_cache = (torch.randn(14, page, 2, 16, generator=gen) for _ in range(2))
+    table = torch.randperm(14, generator=gen)[:12].view(4, 3).to(torch.int32)
+    return q, k_cache, v_cache, cu_q, cu_k, table
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_over_pages_is_varlen_over_the_gathered_keys(causal):
+    """Sequence b's keys are the first len_k(b) positions of its pages in table order; a length past
+    the table's capacity is clamped to it, and a page outside the cache reads as zeros."""
+    q, k_cache, v_cache, cu_q, cu_k, table = paged_problem()
+    table[2, 2] = 99  # sequence 2's third page is no page: zero keys and values there
+    cu_k_long = cu_k.clone()
+    cu_k_long[3:] += 20  # sequence 2 asks for 60 keys of a 48-key table: clamped to 48
+    for lengths, clamp in ((cu_k, False), (cu_k_long, True)):
+        out, lse = reference.attention_varlen(q, k_cache, v_cache, cu_q, lengths, 5, 60, softmax_scale=0.3, causal=causal,
+                                              block_table=table, return_lse=True)
+        keys, values, cu_gathered = [], [], [0]
+        for b, n in enumerate((lengths[1:] - lengths[:-1]).tolist()):
+            n = min(n, 48)
+            pos = torch.arange(n)
+            pages = table[b, pos // 16].long()
+            valid = (pages < 14)[:, None, None]
+            keys.append(torch.where(valid, k_cache[pages.clamp(max=13), pos % 16], 0.0))
+            values.append(torch.where(valid, v_cache[pages.clamp(max=13), pos % 16], 0.0))
+            cu_gathered.append(cu_gathered[-1] + n)
+        expected, expected_lse = reference.attention_varlen(
+            q, torch.cat(keys), torch.cat(values), cu_q, torch.tensor(cu_gathered, dtype=torch.int32), 5, 60, softmax_scale=0.3,
+            causal=causal, return_lse=True)
+        assert torch.equal(out, expected) and torch.equal(lse, expected_lse)
+        assert clamp == (cu_gathered[3] - cu_gathered[2] == 48)
+
+
+def paged_inputs(**changes):
+    base = dict(q=torch.zeros(9, 4, 64, dtype=torch.bfloat16), k=torch.zeros(14, 16, 2, 64, dtype=torch.bfloat16),
+                v=torch.zeros(14, 16, 2, 64, dtype=torch.bfloat16), cu_seqlens_q=torch.tensor([0, 3, 3, 8, 9], dtype=torch.int32),
+                cu_seqlens_k=torch.tensor([0, 10, 14, 54, 54], dtype=torch.int32), max_seqlen_q=5, max_seqlen_k=40,
+                block_table=torch.zeros(4, 3, dtype=torch.int32))
+    return {**base, **changes}
+
+
+PAGED_BAD = [
+    (dict(k=torch.zeros(20, 2, 64, dtype=torch.bfloat16), v=torch.zeros(20, 2, 64, dtype=torch.bfloat16)), ValueError,
+     r"k must have 4 dimensions \(num_blocks, page_size, heads_kv, head_dim\): a paged cache, with block_table"),
+    (dict(block_table=[[0]]), TypeError, "block_table must be a torch.Tensor, got list"),
+    (dict(block_table=torch.zeros(4, 3, dtype=torch.int64)), TypeError, "block_table must have dtype torch.int32, got torch.int64"),
+    (dict(block_table=torch.zeros(3, 3, dtype=torch.int32)), ValueError, r"block_table must be \(batch, max_blocks_per_sequence\) with batch 4"),
+    (dict(k=torch.zeros(14, 24, 2, 64, dtype=torch.bfloat16), v=torch.zeros(14, 24, 2, 64, dtype=torch.bfloat16)), ValueError,
+     r"page_size=24 \(k.shape\[1\]\) is not supported"),
+    (dict(v=torch.zeros(14, 16, 2, 32, dtype=torch.bfloat16)), ValueError, r"k and v must have the same shape \(num_blocks, page_size, heads_kv"),
+    (dict(k=torch.zeros(14, 16, 3, 64, dtype=torch.bfloat16), v=torch.zeros(14, 16, 3, 64, dtype=torch.bfloat16)), ValueError,
+     "q has 4 heads and k, v have 3"),
+    (dict(k=torch.zeros(14, 16, 2, 68, dtype=torch.bfloat16)[..., :64], v=torch.zeros(14, 16, 2, 68, dtype=torch.bfloat16)[..., :64]),
+     ValueError, r"k \(a paged cache, read in place\) must have 16-byte aligned rows"),
+    (dict(q=torch.zeros(9, 4, 64, dtype=torch.bfloat16, requires_grad=True)), ValueError,
+     "attention_varlen with a block_table computes no gradients"),
+    (dict(block_table=torch.zeros(4, 3, dtype=torch.int32, device="meta")), ValueError, "must be on one device; .* block_table meta"),
+    ({}, ValueError, "flashgen.attention_varlen runs on NVIDIA GPUs: its inputs are on cpu"),
+]
+
+
+@pytest.mark.parametrize("changes, error, message", PAGED_BAD, ids=[m[:40] for _, _, m in PAGED_BAD])
+def test_paged_input_errors_are_named(changes, error, message):
+    with pytest.raises(error, match=message):
+        flashgen.attention_varlen(**paged_inputs(**changes))
+
+
+def test_a_paged_call_without_gradients_reaches_the_device_check():
+    with torch.no_grad(), pytest.raises(ValueError, match="runs on NVIDIA GPUs"):
+        flashgen.attention_varlen(**paged_inputs(q=torch.zeros(9, 4, 64, dtype=torch.bfloat16, requires_grad=True)))

@@ -9,7 +9,9 @@ partial attention states by their log-sum-exp.
   whose key range holds them, and read straight from the new tensors, so no block waits for
   another's writes. With one split the block writes o (and lse); with more it writes its normalized
   partial output and log-sum-exp (fp32), and the last of a row tile's split blocks to finish (an
-  atomic count in flashgen/workspace.py's buffers says which) merges them into o and lse.
+  atomic count in flashgen/workspace.py's buffers says which) merges them into o and lse. With
+  varlen (decode_paged only) it serves flash_attn_varlen_func's block_table: packed sequences of
+  queries (cu_seqlens_q) over their pages of a paged cache (cu_seqlens_k), nothing appended.
 - MergeStates (merge) and MergeStatesFp32 (merge_fp32): o = sum_s exp(lse_s - lse) o_s with
   lse = log sum_s exp(lse_s), per row, for two states of any float dtype (merge_attention_states).
 """
@@ -51,13 +53,13 @@ def _occupancy(spec: KernelSpec, threads: int, smem: int) -> int:
 class DecodeAttention(Family):
     kinds = ("decode", "decode_paged")
     template = "attention_decode.cu.j2"
-    fields = ("head_dim", "block_m", "block_n", "dtype", "num_warps", "num_stages", "arch", *variants.FIELDS, "rotary")
+    fields = ("head_dim", "block_m", "block_n", "dtype", "num_warps", "num_stages", "arch", "varlen", *variants.FIELDS, "rotary")
     # The tensors, and the sizes attention_with_kvcache has read once already (the packing then
     # reads no shape twice): a decode step's host cost is mostly Python.
     arguments = ("q", "k_cache", "v_cache", "k", "v", "k_strides", "v_strides", "cache_seqlens", "cache_seqlens_stride",
                  "cache_len", "capacity", "cache_batch_idx", "cache_leftpad", "block_table", "num_pages", "page_size",
-                 "page_divisor", "rotary_cos", "rotary_sin", "o", "lse", "partials", "counters", "batch", "seqlen_q", "heads",
-                 "kv_heads", "seqlen_new", "splits", "causal", "scale", *variants.ARGUMENTS)
+                 "page_divisor", "rotary_cos", "rotary_sin", "cu_seqlens_q", "cu_seqlens_k", "total_q", "o", "lse", "partials",
+                 "counters", "batch", "seqlen_q", "heads", "kv_heads", "seqlen_new", "splits", "causal", "scale", *variants.ARGUMENTS)
 
     @staticmethod
     def paged(spec: KernelSpec) -> bool:
@@ -79,6 +81,10 @@ class DecodeAttention(Family):
         return spec.num_warps // self.warps_m(spec)
 
     def check(self, spec: KernelSpec) -> None:
+        if spec.varlen and not self.paged(spec):
+            raise SpecError("varlen=True: a decode kernel takes packed sequences over a paged cache (kind decode_paged)")
+        if spec.varlen and spec.rotary:
+            raise SpecError(f"rotary={spec.rotary!r} with varlen=True: rotary embedding turns appended keys, and packed sequences append none")
         if spec.num_warps not in (1, 2, 4, 8):
             raise SpecError(f"num_warps={spec.num_warps}: must be one of (1, 2, 4, 8)")
         if not 2 <= spec.num_stages <= 8:
@@ -138,6 +144,10 @@ class DecodeAttention(Family):
                 scalar("cache_batches", "int", "k_cache.shape[0]"),
                 pointer("cache_leftpad", "const int*", optional=True),  # [batch] int32, or null: 0
             ]
+        if spec.varlen:  # packed sequences: q and o are (1, total_q, heads, d) views
+            rows.append(Param("cu_seqlens_q", "const int* __restrict__", "ptr", "cu_seqlens_q.data_ptr()", "cu_seqlens"))
+            rows.append(Param("cu_seqlens_k", "const int* __restrict__", "ptr", "cu_seqlens_k.data_ptr()", "cu_seqlens"))
+            rows.append(scalar("total_q", "int"))
         rotary = []
         if spec.rotary:  # the tables [rotary_rows, rotary_dim / 2], contiguous
             rotary = [pointer("rotary_cos", "const elem_t*"), pointer("rotary_sin", "const elem_t*"),
