@@ -5,7 +5,9 @@ on CPU tensors), then the launch plans of plans.decode and plans.merge.
 
 Nothing here reads a tensor's values on the host: a decode step is one set of launches whose
 lengths the kernels read on the device, so it can be captured in a CUDA graph once and replayed
-as the cache grows.
+as the cache grows. Under torch.compile both functions are torch.library custom ops
+(flashgen::attention_with_kvcache, which declares the caches it appends to as mutated, and
+flashgen::merge_attention_states), whose real implementations are the eager functions.
 """
 
 from __future__ import annotations
@@ -315,8 +317,18 @@ def attention_with_kvcache(
     (flashgen.reference.attention_with_kvcache computes exactly this.) Pages shared by sequences
     must not be appended to.
 
-    Returns out (batch, seqlen_q, heads, head_dim), and lse with return_softmax_lse.
+    Returns out (batch, seqlen_q, heads, head_dim), and lse with return_softmax_lse. Under
+    torch.compile (fullgraph too) the call is the custom op flashgen::attention_with_kvcache, and the
+    checks run when it runs.
     """
+    if torch.compiler.is_compiling():
+        lengths = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
+        length = -1 if cache_seqlens is None or lengths is not None else int(cache_seqlens)
+        out, lse = attention_with_kvcache_op(
+            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, lengths, length, cache_batch_idx, cache_leftpad, block_table,
+            softmax_scale, causal, int(window_size[0]), int(window_size[1]), float(softcap), rotary_interleaved, alibi_slopes,
+            num_splits, return_softmax_lse)
+        return (out, lse) if return_softmax_lse else out
     paged, capacity, seqlen_new, variant, rotary = check_kvcache_inputs(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, causal, window_size, softcap, alibi_slopes,
         rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx, cache_leftpad)
@@ -339,6 +351,31 @@ def attention_with_kvcache(
         values.update(launch_extras(cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin))
     plan.run(device, values)
     return (o, lse) if return_softmax_lse else o
+
+
+@torch.library.custom_op("flashgen::attention_with_kvcache", mutates_args=("k_cache", "v_cache"), device_types="cuda")
+def attention_with_kvcache_op(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+    rotary_cos: torch.Tensor | None, rotary_sin: torch.Tensor | None, cache_seqlens: torch.Tensor | None, cache_len: int,
+    cache_batch_idx: torch.Tensor | None, cache_leftpad: torch.Tensor | None, block_table: torch.Tensor | None,
+    softmax_scale: float | None, causal: bool, window_left: int, window_right: int, softcap: float, rotary_interleaved: bool,
+    alibi_slopes: torch.Tensor | None, num_splits: int, return_softmax_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention_with_kvcache as one op: cache_seqlens is the tensor, or else cache_len (-1: None);
+    lse is (0,) when not asked for (an op returns tensors)."""
+    lengths = cache_seqlens if cache_seqlens is not None else (None if cache_len < 0 else cache_len)
+    out = attention_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, lengths, cache_batch_idx, cache_leftpad,
+                                 block_table, softmax_scale, causal, (window_left, window_right), softcap, rotary_interleaved,
+                                 alibi_slopes, num_splits, return_softmax_lse)
+    out, lse = out if return_softmax_lse else (out, q.new_empty(0, dtype=torch.float32))
+    return out, lse
+
+
+@attention_with_kvcache_op.register_fake
+def _attention_with_kvcache_fake(q, k_cache, v_cache, *args):
+    batch, seqlen_q, heads, _ = q.shape
+    lse_shape = (batch, heads, seqlen_q) if args[-1] else (0,)
+    return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 def launch_values(q, k_cache, v_cache, k, v, cache_seqlens, block_table, capacity, seqlen_new, o, lse, splits, causal,
@@ -441,7 +478,10 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b):
     FlashAttention (batch, heads, seqlen) lse of (batch, seqlen, heads, d) outputs is passed as
     lse.transpose(1, 2)). A state with lse = -inf holds nothing: both -inf give o = 0, lse = -inf.
     Returns (o, lse): o of o_a's dtype and shape, lse fp32 of o.shape[:-1], both contiguous.
+    Under torch.compile the call is the custom op flashgen::merge_attention_states.
     """
+    if torch.compiler.is_compiling():
+        return merge_attention_states_op(o_a, lse_a, o_b, lse_b)
     o_a, lse_a, o_b, lse_b, lead = _states(o_a, lse_a, o_b, lse_b)
     o = torch.empty(o_a.shape, dtype=o_a.dtype, device=o_a.device)
     lse = torch.empty(o_a.shape[:-1], dtype=torch.float32, device=o_a.device)
@@ -451,3 +491,14 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b):
             device, {"o_a": o_a, "lse_a": lse_a, "o_b": o_b, "lse_b": lse_b, "o": o, "lse": lse}
         )
     return o.view(*lead, o.shape[-1]), lse.view(lead)
+
+
+@torch.library.custom_op("flashgen::merge_attention_states", mutates_args=(), device_types="cuda")
+def merge_attention_states_op(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
+                              lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return merge_attention_states(o_a, lse_a, o_b, lse_b)
+
+
+@merge_attention_states_op.register_fake
+def _merge_attention_states_fake(o_a, lse_a, o_b, lse_b):
+    return o_a.new_empty(o_a.shape), o_a.new_empty(o_a.shape[:-1], dtype=torch.float32)

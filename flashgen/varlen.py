@@ -420,6 +420,11 @@ def attention_varlen(
         dtype = torch.get_autocast_dtype("cuda")  # under autocast, like SDPA: fp32 in, autocast dtype
         q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
     check_no_dropout(dropout_p)
+    if block_table is not None and torch.compiler.is_compiling():  # one op; its checks run when it runs
+        o, lse = attention_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                                        softmax_scale, causal, int(window_size[0]), int(window_size[1]), float(softcap),
+                                        alibi_slopes, return_lse)
+        return (o, lse) if return_lse else o
     chosen = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_size, softcap,
                           alibi_slopes, block_table)
     if block_table is not None:
@@ -433,3 +438,21 @@ def attention_varlen(
     )
     return (o, lse) if return_lse else o
 
+
+
+@torch.library.custom_op("flashgen::attention_varlen_paged", mutates_args=(), device_types="cuda")
+def attention_varlen_paged(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, block_table: torch.Tensor, softmax_scale: float | None, causal: bool,
+    window_left: int, window_right: int, softcap: float, alibi_slopes: torch.Tensor | None, return_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention_varlen over a paged cache as one op (what torch.compile records); lse is (0,) when
+    not asked for."""
+    out = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, softmax_scale, causal,
+                           (window_left, window_right), softcap, alibi_slopes, False, return_lse, block_table)
+    return out if return_lse else (out, q.new_empty(0, dtype=torch.float32))
+
+
+@attention_varlen_paged.register_fake
+def _attention_varlen_paged_fake(q, *args):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]) if args[-1] else (0,), dtype=torch.float32)

@@ -938,3 +938,42 @@ def test_a_serving_plan_is_never_sliced(driver, stub_kernels, cpu_device, monkey
     plan.run(-1, serving.launch_values(q, cache, cache, None, None, None, None, 16, 0, torch.empty(1, 1, 8, 64, dtype=BF16), None, 1, True, 1.0))
     (launch,) = driver.launches
     assert launch["grid"] == (-(-70_000 * 4 // 64), 2, 1)
+
+
+# ---- torch.compile: the serving functions trace as custom ops (fake CUDA tensors, no GPU) ---------
+
+
+def test_serving_functions_trace_as_custom_ops_under_torch_compile():
+    """fullgraph=True: attention_with_kvcache (rotary tables, an int length), merge_attention_states and
+    attention_varlen over pages each become one op in the graph dynamo captures; the caches are
+    declared mutated (the appends)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def step(q, k_cache, v_cache, k, v, cos, table, cu, packed_q):
+        out, lse = flashgen.attention_with_kvcache(q, k_cache, v_cache, k, v, cos, cos, cache_seqlens=7, causal=True,
+                                                   window_size=(64, 0), return_softmax_lse=True)
+        merged, _ = flashgen.merge_attention_states(out, lse.transpose(1, 2), out, lse.transpose(1, 2))
+        packed = flashgen.attention_varlen(packed_q, k_cache, v_cache, cu, cu, 1, 100, causal=True, block_table=table)
+        return merged * 2, packed
+
+    compiled = torch.compile(step, backend=capture, fullgraph=True)
+    with FakeTensorMode():
+        cuda = dict(device="cuda", dtype=BF16)
+        q, k = torch.empty(2, 1, 8, 64, **cuda), torch.empty(2, 1, 2, 64, **cuda)
+        k_cache, v_cache = torch.empty(10, 16, 2, 64, **cuda), torch.empty(10, 16, 2, 64, **cuda)
+        table, cu = torch.empty(2, 5, device="cuda", dtype=torch.int32), torch.empty(3, device="cuda", dtype=torch.int32)
+        merged, packed = compiled(q, k_cache, v_cache, k, torch.empty(2, 1, 2, 64, **cuda), torch.empty(80, 32, **cuda), table, cu,
+                                  torch.empty(2, 8, 64, **cuda))
+    assert merged.shape == q.shape and packed.shape == (2, 8, 64)
+    (graph,) = graphs
+    ops = [str(node.target) for node in graph.graph.nodes if node.op == "call_function" and "flashgen" in str(node.target)]
+    assert ops == ["flashgen.attention_with_kvcache.default", "flashgen.merge_attention_states.default",
+                   "flashgen.attention_varlen_paged.default"]
+    mutated = {a.name for a in torch.ops.flashgen.attention_with_kvcache.default._schema.arguments if a.alias_info and a.alias_info.is_write}
+    assert mutated == {"k_cache", "v_cache"}

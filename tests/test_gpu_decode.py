@@ -609,6 +609,47 @@ def test_paged_varlen_replays_from_a_cuda_graph():
         check(out, lse, ref, ref_lse, ref_lp)
 
 
+# ---- torch.compile ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"], ids=["default", "cuda-graphs"])
+def test_torch_compile_fullgraph_decode_step(mode):
+    """A decode step compiled whole (fullgraph=True; inductor, and with CUDA graphs) gives the eager
+    step's outputs bitwise, and its appends land in the caches (the op declares them mutated)."""
+    problem = Problem(2, 1, 8, 2, 128, [100, 700], new=1, page_size=16, capacity=800, seed=60)
+    cos, sin = rotary_tables(800, 128)
+    eager_k, eager_v = problem.k_cache.clone(), problem.v_cache.clone()
+
+    def step(q, k_cache, v_cache, k, v, lengths):
+        out, lse = flashgen.attention_with_kvcache(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens=lengths,
+                                                   block_table=problem.block_table, causal=True, return_softmax_lse=True)
+        merged, merged_lse = flashgen.merge_attention_states(out, lse.transpose(1, 2), out, lse.transpose(1, 2))
+        return merged.float() * 2, merged_lse
+
+    compiled = torch.compile(step, fullgraph=True, mode=mode)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    for _ in range(4):
+        for t in (problem.q, problem.k, problem.v):
+            t.copy_(torch.randn(t.shape, device="cuda", dtype=t.dtype, generator=gen))
+        got = compiled(problem.q, problem.k_cache, problem.v_cache, problem.k, problem.v, problem.cache_seqlens)
+        want = step(problem.q, eager_k, eager_v, problem.k, problem.v, problem.cache_seqlens)
+        torch.cuda.synchronize()
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert torch.equal(problem.k_cache, eager_k) and torch.equal(problem.v_cache, eager_v), "the compiled appends differ"
+        problem.cache_seqlens += 1
+
+
+def test_torch_compile_fullgraph_paged_varlen():
+    problem = PagedVarlen(*PAGED_VARLEN[0], 8, 2, 128, 16, seed=61)
+    args = (problem.q, problem.k_cache, problem.v_cache, problem.cu_q, problem.cu_k, problem.max_q, problem.max_k)
+
+    def call(*args):
+        return flashgen.attention_varlen(*args, causal=True, block_table=problem.block_table, return_lse=True)
+
+    got, want = torch.compile(call, fullgraph=True)(*args), call(*args)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 # ---- merge_attention_states ----------------------------------------------------------------------
 
 
