@@ -142,7 +142,8 @@ def _rotary_style(q, k, rotary_cos, rotary_sin, rotary_interleaved, capacity: in
         raise ValueError("rotary_cos and rotary_sin come together: pass both or neither")
     _pair_like_q(q, ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), 2, "(seqlen_ro, rotary_dim / 2)")
     if k is None:
-        raise ValueError("rotary_cos and rotary_sin turn the appended keys and q: pass the new k and v as well (FlashAttention's rule)")
+        raise ValueError("rotary_cos and rotary_sin turn the appended keys and q: pass the new k and v as well "
+                         "(FlashAttention's rule)")
     seqlen_ro, rotary_dim = rotary_cos.shape[0], 2 * rotary_cos.shape[1]
     head_dim = q.shape[3]
     if not rotary_dim or rotary_dim % 16 or rotary_dim > head_dim:
@@ -159,7 +160,8 @@ def _rotary_style(q, k, rotary_cos, rotary_sin, rotary_interleaved, capacity: in
 
 def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, causal=False,
                          window_size=(-1, -1), softcap=0.0, alibi_slopes=None, rotary_cos=None, rotary_sin=None,
-                         rotary_interleaved=True, cache_batch_idx=None, cache_leftpad=None) -> tuple[bool, int, int, variants.Variant, str]:
+                         rotary_interleaved=True, cache_batch_idx=None,
+                         cache_leftpad=None) -> tuple[bool, int, int, variants.Variant, str]:
     """Raise a clear error for anything the decode kernels cannot take; returns (paged, capacity,
     seqlen_new, variant, rotary): whether the cache is paged, the keys one sequence's cache holds at
     most, the number of tokens appended, the call's variants, and the rotary embedding's style

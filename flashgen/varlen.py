@@ -265,7 +265,8 @@ def check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
             f"attention_varlen takes at most {MAX_GRID_YZ:,} sequences and {MAX_GRID_YZ:,} query heads a call "
             f"(a grid's z and y); got {batch:,} sequences of {heads:,} heads: split the call"
         )
-    for name, value, total, t in (("max_seqlen_q", max_seqlen_q, total_q, "q"), ("max_seqlen_k", max_seqlen_k, 0 if paged else k.shape[0], "k")):
+    total_k = 0 if paged else k.shape[0]  # a paged cache's rows are pages, not keys
+    for name, value, total, t in (("max_seqlen_q", max_seqlen_q, total_q, "q"), ("max_seqlen_k", max_seqlen_k, total_k, "k")):
         if not _is_length(value) or value < 0:
             raise ValueError(f"{name}={value!r}: must be a non-negative int, the longest sequence's length (a Python int)")
         if total and not value:
@@ -437,7 +438,6 @@ def attention_varlen(
         _scale(softmax_scale, q.shape[-1]), "", bool(deterministic), need_lse=bool(return_lse), variant=variant,
     )
     return (o, lse) if return_lse else o
-
 
 
 @torch.library.custom_op("flashgen::attention_varlen_paged", mutates_args=(), device_types="cuda")
