@@ -977,3 +977,21 @@ def test_serving_functions_trace_as_custom_ops_under_torch_compile():
                    "flashgen.attention_varlen_paged.default"]
     mutated = {a.name for a in torch.ops.flashgen.attention_with_kvcache.default._schema.arguments if a.alias_info and a.alias_info.is_write}
     assert mutated == {"k_cache", "v_cache"}
+
+
+def test_the_signatures_are_flash_attns():
+    """Parameter names and order of FlashAttention-2's flash_attn_with_kvcache and
+    flash_attn_varlen_func (return_attn_probs is return_lse here, issue 10's name), so calls swap
+    whether they pass arguments by position or by name."""
+    import inspect
+
+    kvcache = ["q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx",
+               "cache_leftpad", "block_table", "softmax_scale", "causal", "window_size", "softcap", "rotary_interleaved",
+               "alibi_slopes", "num_splits", "return_softmax_lse"]
+    varlen = ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dropout_p", "softmax_scale",
+              "causal", "window_size", "softcap", "alibi_slopes", "deterministic", "return_lse", "block_table"]
+    for fn, names in ((flashgen.attention_with_kvcache, kvcache), (flashgen.attention_varlen, varlen)):
+        parameters = inspect.signature(fn).parameters.values()
+        assert [p.name for p in parameters] == names
+        assert all(p.kind == p.POSITIONAL_OR_KEYWORD for p in parameters)
+    assert inspect.signature(flashgen.attention_with_kvcache).parameters["rotary_interleaved"].default is True
