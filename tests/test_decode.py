@@ -995,3 +995,20 @@ def test_the_signatures_are_flash_attns():
         assert [p.name for p in parameters] == names
         assert all(p.kind == p.POSITIONAL_OR_KEYWORD for p in parameters)
     assert inspect.signature(flashgen.attention_with_kvcache).parameters["rotary_interleaved"].default is True
+
+
+@pytest.mark.parametrize("style", ["interleaved", "halves"])
+def test_rotary_rounds_each_product_and_sum_on_its_own(style):
+    """What makes the stored keys bitwise reference.apply_rotary's (torch rounds x * cos, y * sin and
+    their sum each to fp32): the rotation is mul.rn / add.rn / sub.rn in the PTX, which ptxas never
+    fuses, and it adds no fused multiply-add to the kernel's."""
+    from flashgen.compile import compile_ptx
+
+    def ptx(rotary):
+        spec = tuning.decode_spec(128, "bf16", "sm_90a", False, 4, rotary=rotary)
+        return compile_ptx(spec, render(spec)).decode()
+
+    plain, turned = ptx(""), ptx(style)
+    assert "mul.rn.f32" not in plain and turned.count("mul.rn.f32") >= 8
+    assert "add.rn.f32" in turned and "sub.rn.f32" in turned
+    assert turned.count("fma.rn.f32") == plain.count("fma.rn.f32")
