@@ -560,6 +560,8 @@ class PagedVarlen:
         out, lse = flashgen.attention_varlen(*args, block_table=self.block_table, return_lse=True, **options)
         check(out, lse, ref, ref_lse, ref_lp)
         assert torch.equal(self.k_cache, before[0]) and torch.equal(self.v_cache, before[1]), "a cache was written"
+        counts = workspace._counts.get((0, torch.cuda.current_stream().cuda_stream, 0))
+        assert counts is None or not counts.any(), "split counts left behind (a row tile that left early counted?)"
         return out, lse
 
 
