@@ -357,6 +357,8 @@ def paged_forward(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                 min(max_seqlen_k, capacity), 0, variant.fields, "", True)
     values = launch_values(q[None], k_cache, v_cache, None, None, None, block_table, capacity, 0, o[None], lse, splits, causal,
                            scale, variant, alibi_slopes)
+    # launch_values read batch and seqlen_q off the (1, total_q, heads, d) view: the grid's are the
+    # sequences and the longest one's queries.
     values.update(batch=batch, seqlen_q=max_seqlen_q, cu_seqlens_q=cu_seqlens_q.contiguous(),
                   cu_seqlens_k=cu_seqlens_k.contiguous(), total_q=total_q)
     plan.run(device, values)

@@ -53,7 +53,8 @@ def _occupancy(spec: KernelSpec, threads: int, smem: int) -> int:
 class DecodeAttention(Family):
     kinds = ("decode", "decode_paged")
     template = "attention_decode.cu.j2"
-    fields = ("head_dim", "block_m", "block_n", "dtype", "num_warps", "num_stages", "arch", "varlen", *variants.FIELDS, "rotary")
+    fields = ("head_dim", "block_m", "block_n", "dtype", "num_warps", "num_stages", "arch", "varlen", *variants.FIELDS,
+              "rotary")
     # The tensors, and the sizes attention_with_kvcache has read once already (the packing then
     # reads no shape twice): a decode step's host cost is mostly Python.
     arguments = ("q", "k_cache", "v_cache", "k", "v", "k_strides", "v_strides", "cache_seqlens", "cache_seqlens_stride",
@@ -84,7 +85,8 @@ class DecodeAttention(Family):
         if spec.varlen and not self.paged(spec):
             raise SpecError("varlen=True: a decode kernel takes packed sequences over a paged cache (kind decode_paged)")
         if spec.varlen and spec.rotary:
-            raise SpecError(f"rotary={spec.rotary!r} with varlen=True: rotary embedding turns appended keys, and packed sequences append none")
+            raise SpecError(f"rotary={spec.rotary!r} with varlen=True: rotary embedding turns appended keys, and packed "
+                            f"sequences append none")
         if spec.num_warps not in (1, 2, 4, 8):
             raise SpecError(f"num_warps={spec.num_warps}: must be one of (1, 2, 4, 8)")
         if not 2 <= spec.num_stages <= 8:
