@@ -670,6 +670,19 @@ def test_decode_varlen_specs_are_paged_and_append_nothing(fields, message):
         KernelSpec(head_dim=64, block_m=16, block_n=64, num_stages=3, **fields)
 
 
+@pytest.mark.parametrize("variant", [("alibi",), ("window", "alibi"), ("softcap", "alibi")], ids="-".join)
+def test_varlen_decode_aligns_each_sequence_to_its_own_queries(variant):
+    """In the varlen form the seqlen_q parameter is the longest sequence's query count: past the
+    line that reads the sequence's own (q_len), it only sizes the partials' layout, so ALiBi's
+    distances and the masks are aligned to each sequence's own length (query i at key position
+    i + seqlen_k - q_len)."""
+    source = render(tuning.decode_spec(128, "bf16", "sm_90a", True, 4, variant, varlen=True))
+    body = source.split("const int q_len =", 1)[1].split("\n", 1)[1]
+    uses = [line.strip() for line in body.splitlines() if re.search(r"\bseqlen_q\b", line.split("//")[0])]
+    assert uses and all(re.search(r"\* seqlen_q\b", line) for line in uses), uses
+    assert "alibi_scale, seqlen_k - q_len)" in body
+
+
 def test_a_kernel_without_rotary_renders_no_trace_of_it():
     plain = render(tuning.decode_spec(64, "bf16", "sm_90a", False, 4))
     assert "otary" not in plain and "st_shared_16" not in plain
