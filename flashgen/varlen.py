@@ -347,7 +347,7 @@ def paged_forward(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 
     total_q, heads, head_dim = q.shape
     batch, page_size, kv_heads = cu_seqlens_q.shape[0] - 1, k_cache.shape[1], k_cache.shape[2]
-    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(heads, total_q, dtype=torch.float32, device=q.device) if need_lse else None
     if o.numel() == 0 or batch == 0:
         return o, lse
