@@ -405,15 +405,18 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
     merge_attention_states (the split-KV form; the same result). upcast=False computes in the
     inputs' dtype (the numerics rule's low-precision reference), like naive_attention. The
     variants (window_size, softcap, alibi_slopes (heads,) or (batch, heads)) are naive_attention's,
-    aligned to each sequence's own length (its cache plus the new tokens), as the kernel does.
+    aligned to each sequence's own length (its cache plus the new tokens), as the kernel does; a
+    window side of at least the capacity is unbounded (FlashAttention's rule).
     """
     from . import variants
 
     batch, seqlen_q, heads, head_dim = q.shape
-    variant = variants.make(causal, window_size, softcap, alibi_slopes, batch, heads, q.device)
     scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    # FlashAttention's window: sides of at least the capacity unbounded (variants.make)
+    variant = variants.make(causal, window_size, softcap, alibi_slopes, batch, heads, q.device, keys=capacity)
+    window_size = (variant.window_left, variant.window_right)
     if cache_seqlens is None:
         lengths = [capacity] * batch
     elif isinstance(cache_seqlens, torch.Tensor):

@@ -87,6 +87,8 @@ def _well_formed(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_spli
                 or v.stride()[3] != 1 or k.get_device() != device or v.get_device() != device):
             return None
         seqlen_new = new_shape[1]
+        if seqlen_new and not (q_shape[1] and heads):
+            return None  # appends and no query: refused by the full check
     if block_table is None:
         if pages != batch:
             return None
@@ -109,12 +111,12 @@ def _well_formed(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_spli
     return block_table is not None, capacity, seqlen_new
 
 
-def _variant(q, causal, window_size, softcap, alibi_slopes) -> variants.Variant:
+def _variant(q, causal, window_size, softcap, alibi_slopes, capacity: int) -> variants.Variant:
     """The call's variants, checked (flashgen.variants; slopes per query head, or per sequence and
-    query head)."""
+    query head; window sides of at least the capacity unbounded, as FlashAttention makes them)."""
     if alibi_slopes is None and not softcap and window_size == (-1, -1):  # one cheap test for plain calls
         return variants.PLAIN
-    return variants.make(causal, window_size, softcap, alibi_slopes, q.shape[0], q.shape[2], q.device)
+    return variants.make(causal, window_size, softcap, alibi_slopes, q.shape[0], q.shape[2], q.device, keys=capacity)
 
 
 def _check_cache_rows(batch: int, paged: bool, cache_batch_idx, cache_leftpad) -> None:
@@ -169,7 +171,7 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
     common = rotary_cos is None and rotary_sin is None and cache_batch_idx is None and cache_leftpad is None
     found = _well_formed(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits) if common else None
     if found is not None:
-        return (*found, _variant(q, causal, window_size, softcap, alibi_slopes), "")
+        return (*found, _variant(q, causal, window_size, softcap, alibi_slopes, found[1]), "")
     _tensor("q", q, 4, "(batch, seqlen_q, heads, head_dim), like flash_attn_with_kvcache")
     paged = block_table is not None
     cache_layout = "(num_blocks, page_size, heads_kv, head_dim) with a block_table" if paged else "(batch, seqlen_cache, heads_kv, head_dim)"
@@ -206,6 +208,11 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
         if cache_seqlens is None:
             raise ValueError("k and v are appended at cache_seqlens: pass cache_seqlens (an int or an int32 (batch,) tensor)")
         seqlen_new = k.shape[1]
+        if seqlen_new and batch and kv_heads and not (seqlen_q and heads):
+            raise ValueError(
+                f"q has shape {tuple(q.shape)}, no query rows, and k, v hold {seqlen_new} new tokens: the kernel that "
+                f"appends them runs over the queries, so pass at least one query with them"
+            )
     if paged:
         if not isinstance(block_table, torch.Tensor):
             raise TypeError(f"block_table must be a torch.Tensor, got {type(block_table).__name__}")
@@ -253,7 +260,7 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
         raise ValueError(f"batch={batch}, heads_kv={kv_heads}: at most {MAX_GRID_YZ} of each (the grid's limits)")
     _check_cache_rows(batch, paged, cache_batch_idx, cache_leftpad)
     rotary = _rotary_style(q, k, rotary_cos, rotary_sin, rotary_interleaved, capacity)
-    variant = _variant(q, causal, window_size, softcap, alibi_slopes)
+    variant = _variant(q, causal, window_size, softcap, alibi_slopes, capacity)
     tensors = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("block_table", block_table),
                ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad), ("rotary_cos", rotary_cos),
                ("rotary_sin", rotary_sin)]
@@ -301,9 +308,10 @@ def attention_with_kvcache(
     iff j <= n - seqlen_q + i (seqlen_q > 1 serves chunked prefill and speculative decoding).
     Variants, flash_attn_with_kvcache's, aligned the same way (query i at key position
     i' = n - seqlen_q + i): window_size=(left, right) keeps keys i' - left <= j <= i' + right (-1 =
-    no bound on that side; causal sets right to 0), and splits cover only the key tiles a block's
-    windows see; softcap > 0 makes the scaled scores softcap * tanh(s / softcap); alibi_slopes, fp32
-    of shape (heads,) or (batch, heads), adds -slope * |i' - j|. Their values are kernel arguments:
+    no bound on that side, and so is a side of at least the capacity, as in FlashAttention; causal
+    sets right to 0), and splits cover only the key tiles a block's windows see; softcap > 0 makes
+    the scaled scores softcap * tanh(s / softcap); alibi_slopes, fp32 of shape (heads,) or (batch,
+    heads), adds -slope * |i' - j|. Their values are kernel arguments:
     a captured graph replays with the values it was captured with.
     softmax_scale defaults to 1/sqrt(head_dim). num_splits: how many blocks split each sequence's
     keys (split-KV); 0 chooses from the shapes and the GPU, never from the lengths, so one captured

@@ -53,10 +53,12 @@ class Variant:
 PLAIN = Variant()
 
 
-def make(causal: bool, window_size, softcap, alibi_slopes, batch: int, heads: int, device) -> Variant:
+def make(causal: bool, window_size, softcap, alibi_slopes, batch: int, heads: int, device, keys: int | None = None) -> Variant:
     """Check a call's variant arguments (named in every error) and normalize them: causal caps the
     window's right side at 0, and a window that bounds nothing is no window (causal alone, or
-    nothing)."""
+    nothing). With `keys` (FlashAttention's seqlen_k: attention_with_kvcache's cache capacity), a
+    side of at least that many keys is unbounded, as FlashAttention makes it; so a window that
+    only such sides bound is no window (which decides where rotary turns q)."""
     try:
         left, right = (int(x) for x in window_size)
         ok = len(tuple(window_size)) == 2 and all(int(x) == x for x in window_size)
@@ -66,6 +68,8 @@ def make(causal: bool, window_size, softcap, alibi_slopes, batch: int, heads: in
         raise ValueError(
             f"window_size={window_size!r}: must be (left, right), two ints >= -1 (-1 = unbounded) below {UNBOUNDED}"
         )
+    if keys is not None:
+        left, right = (-1 if side >= keys else side for side in (left, right))
     if causal:
         right = 0
         if left == -1:

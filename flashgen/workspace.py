@@ -18,10 +18,17 @@ made by the first eager call on the device), or, with none left, zeros made insi
 (the graph then zeroes them on each replay: a small fill more, still right).
 
 Counts are kept for the process's life (a few bytes per stream and per captured graph); eager
-scratch up to KEEP_BYTES per stream.
+scratch up to KEEP_BYTES per stream. What is kept is made on a thread of its own (`_lasting`):
+PyTorch sends a thread's allocations to a CUDA-graph pool while torch.compile's CUDA graphs
+(mode="reduce-overhead") warm a function up, and later gives that pool's memory to other tensors,
+which would then share it with our counts. Another thread's allocations come from the ordinary
+pools.
 """
 
 from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -33,6 +40,7 @@ KEEP_BYTES = 64 << 20  # eager scratch kept per stream, at most
 _counts: dict[tuple[int, int, int], torch.Tensor] = {}  # (device, stream, capture id or 0) -> counts
 _scratch: dict[tuple[int, int, str], torch.Tensor] = {}  # (device, stream, name) -> eager scratch
 _reserves: dict[int, torch.Tensor] = {}
+_lock = threading.Lock()
 
 
 def where(device: int) -> tuple[int, int]:
@@ -48,20 +56,20 @@ def counts(device: int, stream: int, capture: int, count: int, place: torch.devi
     found = _counts.get(key)
     if found is not None and found.numel() >= count:
         return found
-    if not capture:
-        found = torch.zeros(max(count, 1024), dtype=torch.int32, device=place)
-        if device not in _reserves:
-            _reserves[device] = torch.zeros(RESERVE, dtype=torch.int32, device=place)
-            if place.type == "cuda":  # zeroed before any graph, replayed on any stream, reads them
-                torch.cuda.current_stream(place).synchronize()
-    else:
-        reserve = _reserves.get(device)
-        if reserve is not None and reserve.numel() >= count:
-            found, _reserves[device] = reserve[:count], reserve[count:]
+    with _lock:  # two threads capturing at once must not cut the same counts from the reserve
+        if not capture:
+            found = _lasting(lambda: torch.zeros(max(count, 1024), dtype=torch.int32, device=place), place, stream)
+            if device not in _reserves:
+                _reserves[device] = _lasting(lambda: torch.zeros(RESERVE, dtype=torch.int32, device=place), place, stream)
         else:
-            found = torch.zeros(count, dtype=torch.int32, device=place)
-    _counts[key] = found
-    return found
+            reserve = _reserves.get(device)
+            if reserve is None or reserve.numel() < count:
+                # None left: zeros of this call's own, made in the capture (the graph zeroes them
+                # before the kernel on each replay), and dropped after it like any temporary.
+                return torch.zeros(count, dtype=torch.int32, device=place)
+            found, _reserves[device] = reserve[:count], reserve[count:]
+        _counts[key] = found
+        return found
 
 
 def scratch(device: int, stream: int, capture: int, name: str, size: int, dtype: torch.dtype, place: torch.device) -> torch.Tensor:
@@ -72,7 +80,25 @@ def scratch(device: int, stream: int, capture: int, name: str, size: int, dtype:
     key = (device, stream, name)
     found = _scratch.get(key)
     if found is None or found.numel() < size or found.dtype != dtype:
-        found = torch.empty(size, dtype=dtype, device=place)
-        if size * found.element_size() <= KEEP_BYTES:
-            _scratch[key] = found
+        if size * dtype.itemsize > KEEP_BYTES:
+            return torch.empty(size, dtype=dtype, device=place)  # too big to keep: this call's own
+        found = _scratch[key] = _lasting(lambda: torch.empty(size, dtype=dtype, device=place), place, stream)
     return found[:size]
+
+
+def _lasting(make, place: torch.device, stream: int) -> torch.Tensor:
+    """make(), run on a thread of its own (its allocation from PyTorch's ordinary pools, never a
+    CUDA-graph pool the calling thread allocates into) and finished before this returns. The tensor
+    is marked as used on `stream`, so that when it is replaced its memory waits for that stream's
+    kernels before it is reused."""
+    def made():
+        tensor = make()
+        if place.type == "cuda":  # zeros in place before any stream, or graph, reads them
+            torch.cuda.current_stream(place).synchronize()
+        return tensor
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="flashgen-workspace") as pool:
+        tensor = pool.submit(made).result()
+    if place.type == "cuda" and stream:  # (the default stream, 0, is the one it was made on)
+        tensor.record_stream(torch.cuda.ExternalStream(stream, device=place))
+    return tensor

@@ -5,13 +5,14 @@ and the named input errors (CPU tensors: every check runs before the device chec
 import math
 import random
 import re
+import threading
 
 import pytest
 import torch
 from test_launch import StubDriver, driver, stub_kernels, unpack  # noqa: F401  (fixtures)
 
 import flashgen
-from flashgen import plans, reference, serving, tuning, workspace
+from flashgen import plans, reference, serving, tuning, variants, workspace
 from flashgen.families.decode import MAX_SPLITS, PAGE_SIZES, fast_divisor
 from flashgen.render import render
 from flashgen.spec import KernelSpec, SpecError
@@ -387,16 +388,34 @@ def test_reference_rotary_turns_the_new_keys_and_q_at_the_cache_end(case, causal
         torch.testing.assert_close(stored.double(), turned[: len(stored)], atol=1e-6, rtol=0)
 
 
-def test_reference_window_turns_each_query_at_its_own_position():
+@pytest.mark.parametrize("window, per_token", [((19, 19), True), ((-1, 0), True), ((20, 50), False), ((-1, 20), False)])
+def test_reference_window_turns_each_query_at_its_own_position(window, per_token):
+    """With a window each query turns at its own position, as with causal; a side of at least the
+    capacity (20 here) bounds nothing in FlashAttention, so a window of only such sides is none,
+    and every query turns at the cache's end."""
     q, (k_cache, v_cache), k, v, _ = random_cache(1, 3, 2, 2, 16, 20, 3, seed=4)
     cos, sin = rotary_tables(23, 16)
     lengths = torch.tensor([10], dtype=torch.int32)
-    windowed = reference.attention_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v, cos, sin, lengths, window_size=(50, 50))
-    turned_q = reference.apply_rotary(q[0], cos, sin, 10 + torch.arange(3))
+    windowed = reference.attention_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v, cos, sin, lengths, window_size=window)
+    turned_q = reference.apply_rotary(q[0], cos, sin, 10 + torch.arange(3) * per_token)
     turned_k = reference.apply_rotary(k[0], cos, sin, 10 + torch.arange(3))
     plain = reference.attention_with_kvcache(turned_q[None], k_cache.clone(), v_cache.clone(), turned_k[None], v, cache_seqlens=lengths,
-                                             window_size=(50, 50))
+                                             window_size=window)
     torch.testing.assert_close(windowed, plain, atol=0, rtol=0)
+
+
+def test_window_sides_of_at_least_the_capacity_are_unbounded():
+    """FlashAttention's rule, in attention_with_kvcache's variants: such a side is -1, so a window
+    of only such sides is no window (the plain kernel runs), and with causal it is causal alone."""
+    cpu = torch.device("cpu")
+    make = lambda causal, window: variants.make(causal, window, 0.0, None, 1, 8, cpu, keys=100)  # noqa: E731
+    assert make(False, (-1, 100)) == make(False, (100, 250)) == variants.PLAIN
+    assert make(True, (100, -1)) == variants.PLAIN and make(True, (99, -1)).window_left == 99
+    assert (make(False, (99, 100)).window_left, make(False, (99, 100)).window_right) == (99, -1)
+    assert variants.make(False, (-1, 100), 0.0, None, 1, 8, cpu) != variants.PLAIN  # no keys: as given
+    q = t(1, 1, 8, 64)
+    assert serving._variant(q, False, (-1, 100), 0.0, None, 100).fields == ()
+    assert serving._variant(q, False, (-1, 99), 0.0, None, 100).fields == ("window",)
 
 
 def test_reference_cache_batch_idx_picks_the_rows():
@@ -514,6 +533,29 @@ def test_counts_are_one_buffer_per_stream_and_per_capture(driver, monkeypatch):
     own = workspace.counts(-1, 0xABC0, 9, 20, cpu)
     assert own.numel() == 20 and not own.any()
     assert own.data_ptr() not in (in_seven.data_ptr(), other_stream.data_ptr(), in_eight.data_ptr())
+    assert (-1, 0xABC0, 9) not in workspace._counts  # a temporary of the capture (zeroed in each replay), never kept
+
+
+def test_kept_buffers_are_made_on_a_thread_of_their_own(monkeypatch):
+    """Counts, the reserve and kept scratch outlive the call, so they are allocated off the calling
+    thread: PyTorch sends that thread's allocations to a CUDA-graph pool while torch.compile's CUDA
+    graphs warm up, and reuses that pool's memory for other tensors later. A call's temporaries
+    (scratch too big to keep) stay on the calling thread."""
+    monkeypatch.setattr(workspace, "_counts", {})
+    monkeypatch.setattr(workspace, "_reserves", {})
+    monkeypatch.setattr(workspace, "_scratch", {})
+    made_on = []
+    real_zeros, real_empty = torch.zeros, torch.empty
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: made_on.append(threading.get_ident()) or real_zeros(*a, **k))
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: made_on.append(threading.get_ident()) or real_empty(*a, **k))
+    cpu, caller = torch.device("cpu"), threading.get_ident()
+    workspace.counts(-1, 0xABC0, 0, 10, cpu)  # the stream's counts and the device's reserve
+    workspace.scratch(-1, 0xABC0, 0, "partials", 100, torch.float32, cpu)
+    assert len(made_on) == 3 and caller not in made_on
+    made_on.clear()
+    workspace.scratch(-1, 0xABC0, 0, "partials", workspace.KEEP_BYTES // 4 + 1, torch.float32, cpu)
+    workspace.scratch(-1, 0xABC0, 5, "partials", 100, torch.float32, cpu)  # captured: the graph's own
+    assert made_on == [caller, caller]
 
 
 def test_eager_scratch_is_the_streams_own_and_a_capture_allocates(driver, monkeypatch):
@@ -698,7 +740,7 @@ def test_a_window_splits_only_the_keys_it_sees(driver, stub_kernels, cpu_device,
     seen = []
     real = plans.decode
     monkeypatch.setattr(plans, "decode", lambda *args: seen.append(args) or real(*args))
-    monkeypatch.setattr(serving, "check_kvcache_inputs", lambda *args: (True, 65536, 1, serving._variant(args[0], *args[8:12]), ""))
+    monkeypatch.setattr(serving, "check_kvcache_inputs", lambda *args: (True, 65536, 1, serving._variant(args[0], *args[8:12], 65536), ""))
     q, k_cache, v_cache, k, v = t(1, 1, 8, 128), t(4096, 16, 2, 128), t(4096, 16, 2, 128), t(1, 1, 2, 128), t(1, 1, 2, 128)
     table = torch.zeros(1, 4096, dtype=torch.int32)
     for window in ((-1, -1), (256, 0), (256, -1)):
@@ -788,6 +830,7 @@ ERRORS = [
     (ValueError, r"num_splits=129: must be an int in \[0, 128\]", dict(num_splits=129)),
     (ValueError, r"num_splits=2.0", dict(num_splits=2.0)),
     (ValueError, "q's last dimension must be contiguous", dict(q=t(2, 1, 64, 8).transpose(-1, -2))),
+    (ValueError, r"q has shape \(2, 0, 8, 64\), no query rows, and k, v hold 1 new tokens", dict(q=t(2, 0, 8, 64))),
     (ValueError, "k_cache must have 16-byte aligned rows .* written in place", dict(k_cache=t(2, 100, 2, 68)[..., :64])),
     (ValueError, "the tensors must be on one device; got q cpu, k_cache meta", dict(k_cache=t(2, 100, 2, 64, device="meta"))),
 ]

@@ -652,6 +652,33 @@ def test_torch_compile_fullgraph_paged_varlen():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def test_reduce_overhead_graphs_of_two_shapes_keep_their_counts_apart():
+    """torch.compile's CUDA graphs (mode="reduce-overhead") warm each new shape up with the calling
+    thread's allocations sent to the graphs' pool, and reuse that pool for other tensors as they
+    record the next shape. The split counts and kept scratch must live outside it
+    (flashgen/workspace.py): alternating two shapes, every call equals the eager one, and the
+    eager counts are back to zero."""
+    problems = [PagedVarlen([1] * 7, [17, 1, 4096, 33, 250, 999, 2], 32, 8, 128, 16, seed=62),
+                PagedVarlen([3, 0, 5, 1, 64], [10, 4, 1000, 0, 300], 32, 8, 128, 16, seed=63)]
+
+    def call(q, k_cache, v_cache, cu_q, cu_k, table, max_q, max_k):
+        out, lse = flashgen.attention_varlen(q, k_cache, v_cache, cu_q, cu_k, max_q, max_k, causal=True, block_table=table,
+                                             return_lse=True)
+        return out.float() + 1, lse * 2  # something of the pool's own after the op
+
+    compiled = torch.compile(call, mode="reduce-overhead", dynamic=False)
+    for round_ in range(4):
+        for p in problems:
+            args = (p.q, p.k_cache, p.v_cache, p.cu_q, p.cu_k, p.block_table, p.max_q, p.max_k)
+            got = [t.clone() for t in compiled(*args)]
+            want = call(*args)
+            torch.cuda.synchronize()
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"round {round_}: differs from eager"
+    for (device, stream, capture), counts in workspace._counts.items():
+        if not capture:
+            assert not counts.any(), f"counts of stream {stream:#x} left non-zero"
+
+
 # ---- merge_attention_states ----------------------------------------------------------------------
 
 
