@@ -64,7 +64,7 @@ def get(spec: KernelSpec) -> Kernel:
     kernel = _loaded.get(spec)
     if kernel is None:
         future = _pending.pop(spec, None)
-        if future is not None:
+        if future is not None and not future.cancel():  # under way (or done): wait for it; still queued: load it here
             return future.result()
         from .cache import default_cache
 
@@ -73,11 +73,11 @@ def get(spec: KernelSpec) -> Kernel:
 
 
 def _load(spec: KernelSpec, cache, generation: int) -> Kernel:
-    artifact = cache.get(spec)
+    kernel = Kernel(spec, cache.get(spec).cubin)  # built outside the lock, which a fork may copy held
     with _lock:
         if generation != _generation:  # cleared meanwhile: a kernel for the caller, not the memo
-            return Kernel(spec, artifact.cubin)
-        return _loaded.setdefault(spec, Kernel(spec, artifact.cubin))
+            return kernel
+        return _loaded.setdefault(spec, kernel)
 
 
 def prefetch(specs) -> None:
@@ -92,6 +92,7 @@ def prefetch(specs) -> None:
             if spec not in _loaded and spec not in _pending:
                 if _pool is None:
                     _pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="flashgen-compile")
+                    _at_exit(_pool)
                 _pending[spec] = _pool.submit(_load, spec, cache, _generation)
 
 
@@ -101,11 +102,23 @@ def register(kernel: Kernel) -> Kernel:
         return _loaded.setdefault(kernel.spec, kernel)
 
 
+def _at_exit(pool: ThreadPoolExecutor) -> None:
+    """At interpreter exit, drop the prefetches not yet started (a script that never runs its
+    backward must not wait for its kernels' compiles); those under way finish. This runs before
+    the executor's own exit hook, which waits for all queued work: threading runs these hooks
+    newest first."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        register(lambda: pool.shutdown(wait=False, cancel_futures=True))
+
+
 def _after_fork() -> None:
-    """A forked child has none of its parent's compile threads: it starts a pool of its own."""
-    global _pool
+    """A forked child has none of its parent's compile threads (it starts a pool of its own), and
+    a lock a parent's thread held at the fork would stay held: it takes a new one."""
+    global _pool, _lock
     _pool = None
     _pending.clear()
+    _lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_after_fork)

@@ -19,7 +19,7 @@ from .families import padded
 from .families.backward import padded_varlen
 from .families.decode import MAX_SPLITS
 from .kernels import Kernel
-from .spec import KernelSpec, arch_for_capability
+from .spec import KernelSpec, SpecError, arch_for_capability
 
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -185,7 +185,10 @@ def warm_backward(device: int, head_dim: int, dtype: torch.dtype, causal: bool, 
     if key in _plans or key in _warmed:
         return
     _warmed.add(key)
-    prep, specs = _backward_kernels(device, head_dim, dtype, causal, deterministic, forward_spec, variant, varlen)
+    try:
+        prep, specs = _backward_kernels(device, head_dim, dtype, causal, deterministic, forward_spec, variant, varlen)
+    except SpecError:  # no backward for this shape: the forward still runs, and a backward names the reason
+        return
     adder = _dq_adder(specs)
     reader = adder and adder.family.dq_reader(adder)
     kernels.prefetch([prep, *specs, *([reader] if reader else [])])

@@ -3,8 +3,10 @@ from the PTX), a launch packs every value at its place, launch plans wire kernel
 buffers together, and grids past 65,535 heads or batches run in slices (the driver is stubbed)."""
 
 import ctypes
+import os
 import re
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from flashgen.compile import compile_ptx
 from flashgen.kernels import Kernel
 from flashgen.params import LOG2E, Params, scalar, tensor, tensormap
 from flashgen.render import render
-from flashgen.spec import KernelSpec
+from flashgen.spec import KernelSpec, SpecError
 
 ONE_OF_EACH_KIND = [
     KernelSpec(head_dim=64, causal=True),
@@ -331,6 +333,62 @@ def test_a_differentiated_forward_warms_its_backward_plan_once(monkeypatch, varl
     assert len(asked) == 1  # the plan exists
 
 
+def test_a_forward_without_a_backward_kernel_warms_nothing_and_runs(monkeypatch):
+    """sm_86 has forward kernels at d = 256 and no backward: the warm-up of a differentiated forward
+    skips the plan (the backward names the reason when it runs) instead of failing the forward."""
+    monkeypatch.setattr(plans, "_plans", {})
+    monkeypatch.setattr(plans, "_warmed", set())
+    monkeypatch.setitem(plans._arch, -1, "sm_86")
+    asked = []
+    monkeypatch.setattr(kernels, "prefetch", lambda specs: asked.append(list(specs)))
+    plans.warm_backward(-1, 256, torch.bfloat16, False, False, "")
+    assert asked == []
+    with pytest.raises(SpecError, match="no bwd_v tile shape fits head_dim=256 on sm_86"):
+        plans.backward(-1, 256, torch.bfloat16, False, False, "")
+
+
+def test_get_loads_a_queued_prefetch_itself_instead_of_waiting_behind_others(fresh_kernels, monkeypatch):
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    busy, release = threading.Event(), threading.Event()
+    pool = ThreadPoolExecutor(max_workers=1)
+    pool.submit(lambda: busy.set() or release.wait(30))  # the only worker is taken by another compile
+    busy.wait(30)
+    monkeypatch.setattr(kernels, "_pool", pool)
+    spec = tuning.backward_prep(64, "bf16", "sm_90a")
+    kernels.prefetch([spec])
+    queued = kernels._pending[spec]
+    try:
+        assert kernels.get(spec).spec == spec and queued.cancelled()
+    finally:
+        release.set()
+        pool.shutdown()
+
+
+def test_exit_drops_the_prefetches_not_yet_started(tmp_path):
+    """A script that prefetches and ends does not wait for the queued compiles: only those under
+    way (one per worker) ever start."""
+    import subprocess
+    import sys
+
+    started = tmp_path / "started"
+    script = f"""
+import time
+from flashgen import cache, kernels, tuning
+def slow(self, spec, **kw):
+    with open({str(started)!r}, "a") as f:
+        f.write("x")
+    time.sleep(1.0)
+    raise RuntimeError("not needed")
+cache.KernelCache.get = slow
+kernels.prefetch([tuning.backward_prep(d, "bf16", "sm_90a") for d in range(8, 136, 8)])
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120, cwd=str(tmp_path),
+                   env={**os.environ, "FLASHGEN_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert 1 <= len(started.read_text()) <= min(4, os.cpu_count() or 1) < 16
+
+
 def test_a_forked_child_prefetches_with_threads_of_its_own(fresh_kernels):
     import multiprocessing
 
@@ -338,8 +396,9 @@ def test_a_forked_child_prefetches_with_threads_of_its_own(fresh_kernels):
     kernels.prefetch([spec])
     kernels.get(spec)
     kernels._pending[spec.replace(head_dim=128)] = None  # as if under way in the parent
-    child = multiprocessing.get_context("fork").Process(target=_prefetch_in_child)
-    child.start()
+    with kernels._lock:  # as if a compile thread held it at the fork: the child takes a new one
+        child = multiprocessing.get_context("fork").Process(target=_prefetch_in_child)
+        child.start()
     child.join(60)
     assert child.exitcode == 0
     kernels._pending.clear()
