@@ -11,6 +11,8 @@ reads tensors, each tensor's identity and PyTorch's version counter (which every
 through PyTorch moves), so a changed tensor makes new lists; a CUDA graph captured with such a rule
 makes its own at each replay, from what the tensors hold then. (A write that bypasses
 PyTorch, from a kernel of one's own, is not seen: call flashgen.blockmask.clear() after one.)
+Kept lists are copies in memory of their own (workspace.keep), never a CUDA-graph pool's, and
+lists made during a capture are never kept (they hold their values only when the graph runs).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import kernels
+from . import kernels, workspace
 from .spec import KernelSpec
 
 _kept: OrderedDict = OrderedDict()  # key -> (lists, weak references to the rule's tensors)
@@ -64,10 +66,11 @@ class BlockMasks:
         lists = self._lists.get(shape)
         if lists is None:
             tensors = self.rule.arguments()
+            capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
             # a graph captured with a tensor rule makes its lists at each replay, from the tensors then
-            replayed = bool(tensors) and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-            key = None if replayed else (self.rule.source, self.causal, self.window, self.batches, self.heads, self.seqlen_q,
-                                         self.seqlen_k, self.device, shape, tuple((id(t), t._version) for t in tensors))
+            key = None if tensors and capturing else (
+                self.rule.source, self.causal, self.window, self.batches, self.heads, self.seqlen_q, self.seqlen_k,
+                self.device, shape, tuple((id(t), t._version) for t in tensors))
             kept = _kept.get(key) if key else None
             # an id names the same tensor only while it lives: the weak references say it does
             if kept is not None and all(ref() is t for ref, t in zip(kept[1], tensors)):
@@ -75,7 +78,9 @@ class BlockMasks:
                 _kept.move_to_end(key)
             else:
                 lists = self._make(block_m, block_n, key_major)
-                if key:
+                if key and not capturing:  # (lists made in a capture hold their values only when the graph runs)
+                    lists = Lists(*(workspace.keep(t) for t in (lists.count, lists.index, lists.state)), lists.batch_stride,
+                                  lists.head_stride)
                     _kept[key] = (lists, tuple(weakref.ref(t) for t in tensors))
                     while len(_kept) > KEEP:
                         _kept.popitem(last=False)

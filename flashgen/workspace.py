@@ -18,7 +18,8 @@ made by the first eager call on the device), or, with none left, zeros made insi
 (the graph then zeroes them on each replay: a small fill more, still right).
 
 Counts are kept for the process's life (a few bytes per stream and per captured graph); eager
-scratch up to KEEP_BYTES per stream. What is kept is made on a thread of its own (`_lasting`):
+scratch up to KEEP_BYTES per stream. What is kept (here, and the block masks' lists through
+`keep`) is made on a thread of its own (`_lasting`):
 PyTorch sends a thread's allocations to a CUDA-graph pool while torch.compile's CUDA graphs
 (mode="reduce-overhead") warm a function up, and later gives that pool's memory to other tensors,
 which would then share it with our counts. Another thread's allocations come from the ordinary
@@ -84,6 +85,13 @@ def scratch(device: int, stream: int, capture: int, name: str, size: int, dtype:
             return torch.empty(size, dtype=dtype, device=place)  # too big to keep: this call's own
         found = _scratch[key] = _lasting(lambda: torch.empty(size, dtype=dtype, device=place), place, stream)
     return found[:size]
+
+
+def keep(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of `tensor`, made on the current stream, in memory no CUDA-graph pool owns (see
+    _lasting): for what a call computed and later calls reuse (flashgen.blockmask's lists)."""
+    stream = torch.cuda.current_stream(tensor.device).cuda_stream if tensor.is_cuda else 0
+    return _lasting(lambda: torch.empty_like(tensor), tensor.device, stream).copy_(tensor)
 
 
 def _lasting(make, place: torch.device, stream: int) -> torch.Tensor:

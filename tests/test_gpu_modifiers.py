@@ -188,6 +188,38 @@ def test_torch_compile_fullgraph_and_cuda_graph_with_rules():
     assert (captured.float() - ref.float()).abs().max().item() < 2e-2
 
 
+def test_rule_lists_outlive_reduce_overhead_graphs_and_captures():
+    """Block-mask lists are kept across calls: those first made under torch.compile's CUDA graphs
+    (mode="reduce-overhead", whose warm-up allocates into the graphs' pool) or inside a capture
+    (whose values exist only once the graph runs) must not be what a later call reads. Two
+    shapes' graphs in turn, then a graph captured first and an eager call after it, all equal the
+    eager results of a fresh process's lists."""
+    from flashgen import blockmask
+
+    blockmask.clear()
+    rule = prefix_rule(40)
+    shapes = [make_qkv(1, 2, 2, 300, 300, 64, torch.bfloat16, seed=1), make_qkv(2, 2, 2, 200, 200, 64, torch.bfloat16, seed=2)]
+    compiled = torch.compile(lambda q, k, v: flashgen.attention(q, k, v, mask_mod=rule).float() + 1, mode="reduce-overhead")
+    for round_ in range(3):
+        for q, k, v in shapes:
+            got = compiled(q, k, v).clone()
+            ref = naive_attention(q, k, v, mask_mod=rule.python)[0].float() + 1
+            assert (got - ref).abs().max().item() < 2e-2, f"round {round_}"
+    blockmask.clear()
+    q, k, v = make_qkv(1, 2, 2, 260, 260, 64, torch.bfloat16, seed=3)
+    flashgen.attention(q, k, v, mask_mod=prefix_rule(41))  # the kernels, loaded off the graph
+    blockmask.clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = flashgen.attention(q, k, v, mask_mod=prefix_rule(41))
+    eager = flashgen.attention(q, k, v, mask_mod=prefix_rule(41))  # before any replay
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = naive_attention(q, k, v, mask_mod=prefix_rule(41).python)[0]
+    assert (eager.float() - ref.float()).abs().max().item() < 2e-2
+    assert (captured.float() - ref.float()).abs().max().item() < 2e-2
+
+
 def test_a_rule_without_gradient_runs_forward_only():
     rule = ScoreMod("score * 0.5f", lambda score, b, h, q_idx, kv_idx: score * 0.5)
     q, k, v = make_qkv(1, 2, 2, 100, 100, 64, torch.bfloat16)

@@ -126,7 +126,7 @@ def test_block_mask_lists_are_kept_by_tensor_identity_and_version(monkeypatch):
     from flashgen.modifiers import Rule
 
     made = []
-    monkeypatch.setattr(BlockMasks, "_make", lambda self, *shape: made.append(shape) or object())
+    monkeypatch.setattr(BlockMasks, "_make", lambda self, *shape: made.append(shape) or some_lists())
     monkeypatch.setattr(blockmask, "_kept", blockmask.OrderedDict())
     doc = torch.zeros(1, 10, dtype=torch.int32)
     source = rules.documents(doc).source
@@ -140,3 +140,38 @@ def test_block_mask_lists_are_kept_by_tensor_identity_and_version(monkeypatch):
     assert lists(doc) is not first and len(made) == 2
     other = doc.clone()
     assert lists(other) is not first and len(made) == 3
+
+
+def some_lists():
+    from flashgen.blockmask import Lists
+
+    return Lists(torch.ones(1, 1, 1, dtype=torch.int32), torch.zeros(1, 1, 1, 1, dtype=torch.int32),
+                 torch.full((1, 1, 1, 1), 2, dtype=torch.uint8), 0, 0)
+
+
+def test_kept_block_mask_lists_are_copies_of_their_own_and_a_capture_keeps_none(monkeypatch):
+    """What is kept across calls is copied into memory of its own (workspace.keep: no CUDA-graph
+    pool's); lists made while a graph is captured hold their values only when it runs, so they
+    are that call's alone, even for a rule without tensors."""
+    import threading
+
+    from flashgen import blockmask, workspace
+    from flashgen.modifiers import Rule
+
+    made = []
+    monkeypatch.setattr(BlockMasks, "_make", lambda self, *shape: made.append(some_lists()) or made[-1])
+    monkeypatch.setattr(blockmask, "_kept", blockmask.OrderedDict())
+    copied_on = []
+    real_keep = workspace.keep
+    monkeypatch.setattr(workspace, "keep", lambda t: copied_on.append(threading.get_ident()) or real_keep(t))
+    prefix = rules.prefix_lm(3).source  # a rule without tensors
+
+    def lists(device="cpu"):
+        return BlockMasks(Rule(prefix, []), False, (-1, -1), 1, 1, 10, 10, torch.device(device), "sm_90a").get(64, 64, False)
+
+    kept = lists()
+    assert len(copied_on) == 3 and kept is not made[0] and torch.equal(kept.count, made[0].count)
+    assert kept.count.data_ptr() != made[0].count.data_ptr() and lists() is kept
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    in_graph = lists("cuda")  # (nothing runs on the device: _make is stubbed)
+    assert in_graph is made[-1] and len(blockmask._kept) == 1 and len(copied_on) == 3
