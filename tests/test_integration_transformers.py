@@ -111,6 +111,63 @@ def test_a_sliding_window_and_softcap_reach_the_kernels_and_count_real_tokens(or
     assert variants == {"window_size": (2, 0), "softcap": 2.0}
 
 
+def per_sequence(q, k, v, cu, causal=True):
+    """Each packed sequence (cu over the length) of one row attended alone: (length, heads, d)."""
+    starts = cu.tolist()
+    return torch.cat([naive_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], causal=causal)[0][0].transpose(0, 1)
+                      for a, b in zip(starts, starts[1:])])
+
+
+def test_sequences_packed_by_position_ids_alone_attend_each_alone(oracle):
+    """A collator's flattening marks sequences only by position_ids restarting (transformers' flash
+    path reads them there): each attends alone. One increasing run, or a decoding step, is one."""
+    q, k, v = qkv(batch=1)
+    out, _ = hook.attention_forward(MODULE, q, k, v, None, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]]))
+    torch.testing.assert_close(out[0], per_sequence(q, k, v, torch.tensor([0, 3, 7])))
+    (cu_q, cu_k, max_q, max_k, _), = oracle
+    assert cu_q.tolist() == cu_k.tolist() == [0, 3, 7] and cu_q.dtype == torch.int32 and (max_q, max_k) == (4, 4)
+    for run in (torch.arange(7)[None], torch.arange(5, 12)[None]):
+        out, _ = hook.attention_forward(MODULE, q, k, v, None, position_ids=run)
+        torch.testing.assert_close(out, naive_attention(q, k, v, causal=True)[0].transpose(1, 2))
+    assert len(oracle) == 1
+
+
+def test_packed_sequences_of_several_rows_are_flattened(oracle):
+    q, k, v = qkv(batch=2)
+    cu = torch.tensor([0, 3, 7, 10, 14])  # two sequences in each row of 7
+    out, _ = hook.attention_forward(MODULE, q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=4, max_length_k=4)
+    flat = [t.transpose(1, 2).reshape(1, 14, t.shape[1], 16).transpose(1, 2) for t in (q, k, v)]
+    torch.testing.assert_close(out.reshape(14, 4, 16), per_sequence(*flat, cu))
+
+
+@pytest.mark.parametrize("seqlen_q", [1, 3, 9])
+def test_cross_attention_keeps_every_query_row(oracle, seqlen_q):
+    """A non-causal call with other lengths than the keys' (a decoder over an encoder's padded
+    states): every query row attends to its row's real keys; none is dropped for the keys' padding."""
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 4, seqlen_q, 16, generator=gen)
+    k, v = (torch.randn(2, 2, 5, 16, generator=gen) for _ in range(2))
+    mask = torch.tensor([[True] * 5, [True, True, True, False, False]])  # the encoder's second row right-padded
+    out, _ = hook.attention_forward(SimpleNamespace(training=False, is_causal=False), q, k, v, mask, is_causal=False)
+    for row in range(2):
+        keep = mask[row]
+        alone = naive_attention(q[row:row + 1], k[row:row + 1, :, keep], v[row:row + 1, :, keep])[0]
+        torch.testing.assert_close(out[row], alone[0].transpose(0, 1), atol=1e-6, rtol=0)
+
+
+def test_a_static_cache_s_empty_slots_are_cut(oracle):
+    """A mask shorter than the keys is a static cache's: its first slots hold the tokens, the rest
+    are empty (transformers' flash path cuts the keys to the mask)."""
+    q, k, v = qkv(length=7)
+    q = q[:, :, -2:]  # a step of 2 queries over 5 tokens so far, in a cache of 7 slots
+    mask = torch.tensor([[True] * 5, [False, True, True, True, True]])
+    out, _ = hook.attention_forward(MODULE, q, k, v, mask)
+    for row in range(2):
+        keep = mask[row]
+        alone = naive_attention(q[row:row + 1], k[row:row + 1, :, :5][:, :, keep], v[row:row + 1, :, :5][:, :, keep], causal=True)[0]
+        torch.testing.assert_close(out[row], alone[0].transpose(0, 1), atol=1e-6, rtol=0)
+
+
 def test_settings_that_change_nothing_pass(monkeypatch):
     """A window at least as long as the keys is no window, and softcap 0 or None is none: such a
     model runs on the plain kernels (no variant keyword reaches them)."""
@@ -214,3 +271,39 @@ def test_a_gemma2_matches_transformers_eager_on_a_padded_batch(oracle, side):
     for settings in (dict(sliding_window=64), dict(attn_logit_softcapping=None)):
         other, _ = logits_and_grads(small_gemma2("eager", **settings), *batch)
         assert (other - ref_logits).abs().max() > 1000 * 1e-5, settings
+
+
+def test_a_gemma2_on_sequences_packed_by_position_ids_gives_each_sequence_s_own_logits(oracle):
+    """Three sequences flattened into one row, marked only by position_ids (what transformers'
+    DataCollatorWithFlattening gives): as on transformers' flash path, each attends to itself
+    alone, so its logits are eager's on that sequence by itself."""
+    pytest.importorskip("transformers")
+    name = hook.register()
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 128, (1, sum(LENGTHS)), generator=gen)
+    positions = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+    eager = small_gemma2("eager")
+    with torch.no_grad():
+        ours = small_gemma2(name)(input_ids=ids, position_ids=positions).logits
+        starts = [0, *torch.tensor(LENGTHS).cumsum(0).tolist()]
+        alone = torch.cat([eager(input_ids=ids[:, a:b], position_ids=positions[:, a:b]).logits for a, b in zip(starts, starts[1:])], 1)
+    torch.testing.assert_close(ours, alone, rtol=1e-5, atol=1e-5)
+    assert len(oracle) > 0 and all(cu_q.tolist() == starts for cu_q, *_ in oracle[-4:])
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_a_gemma2_generates_as_transformers_eager_does_with_a_cache(oracle, side):
+    """Greedy generation over a padded batch with a dynamic cache: every decoding step (one query
+    over the cache, its padding masked) gives eager's logits."""
+    pytest.importorskip("transformers")
+    name = hook.register()
+    ids, mask, _ = padded_batch(side)
+    if side == "right":  # generation pads on the left; a right-padded batch decodes from its longest row
+        ids, mask = ids[:1, :LENGTHS[0]], mask[:1, :LENGTHS[0]]
+    options = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    with torch.no_grad():
+        ours = small_gemma2(name).generate(input_ids=ids, attention_mask=mask, **options)
+        eager = small_gemma2("eager").generate(input_ids=ids, attention_mask=mask, **options)
+    assert torch.equal(ours.sequences, eager.sequences)
+    for step, (a, b) in enumerate(zip(ours.logits, eager.logits)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"step {step}")

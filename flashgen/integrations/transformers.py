@@ -20,8 +20,16 @@ eager computes it. A padded batch is run exactly: the real tokens of each row ar
 one packed batch for `flashgen.attention_varlen` (so no work and no probability mass goes to
 padding) and scattered back; padded query rows come out as zeros. The window then counts a row's
 real tokens, as the flash path does; for left- or right-padded rows that is also what the sdpa and
-eager masks count (their positions include the padding, but it lies all on one side). Packed sequences (`cu_seq_lens_q`/`cu_seq_lens_k` from a data collator)
-go to `attention_varlen` directly.
+eager masks count (their positions include the padding, but it lies all on one side).
+
+The cases are taken in the flash path's order: a padding mask (above; a mask shorter than the
+keys is a static cache's, whose first slots hold the tokens: the keys are cut to it); packed
+sequences with `cu_seq_lens_q`/`cu_seq_lens_k` from a data collator, any batch flattened, to
+`attention_varlen` directly; packed sequences that only `position_ids` mark (a collator's
+flattening: each sequence restarts at the smallest position), cut there; else `attention`. Queries
+are masked like the keys when there are as many, all kept for one query (a decoding step), else
+the last ones when causal (a step over a cache); a non-causal attention with other lengths
+(cross-attention) keeps every query row.
 """
 
 from __future__ import annotations
@@ -71,27 +79,63 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         options["softcap"] = float(softcap)
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if cu_q is not None and cu_k is not None and query.shape[0] == 1:
-        out = attention_varlen(
-            query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-            cu_q.to(torch.int32), cu_k.to(torch.int32), int(kwargs["max_length_q"]), int(kwargs["max_length_k"]),
-            causal=is_causal, softmax_scale=scaling, **options,
-        )[None]
-    elif attention_mask is None:
-        out = attention(query, key, value, causal=is_causal, scale=scaling, **options).transpose(1, 2)
-    else:
+    position_ids = kwargs.get("position_ids")
+    if attention_mask is not None:
         out = _padded(attention_varlen, query, key, value, attention_mask, is_causal, scaling, options)
+    elif cu_q is not None and cu_k is not None:
+        out = _packed(attention_varlen, query, key, value, cu_q, cu_k, int(kwargs["max_length_q"]), int(kwargs["max_length_k"]),
+                      is_causal, scaling, options)
+    elif _packed_by_positions(position_ids, query.shape[0]):
+        cu = _starts(position_ids)
+        out = _packed(attention_varlen, query, key, value, cu, cu, int(cu.diff().max()), int(cu.diff().max()), is_causal,
+                      scaling, options)
+    else:
+        out = attention(query, key, value, causal=is_causal, scale=scaling, **options).transpose(1, 2)
     return out[..., :v_head_dim].contiguous(), None
+
+
+def _packed(attention_varlen, query, key, value, cu_q, cu_k, max_q, max_k, causal, scale, options):
+    """Sequences packed along the length (of every batch row, flattened), through the varlen kernel."""
+    flat = [t.transpose(1, 2).reshape(-1, *t.shape[1:2], t.shape[3]) for t in (query, key, value)]
+    out = attention_varlen(*flat, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k, causal=causal, softmax_scale=scale,
+                           **options)
+    return out.view(query.shape[0], query.shape[2], *out.shape[1:])
+
+
+def _packed_by_positions(position_ids, batch: int) -> bool:
+    """transformers' test for sequences packed into one row that only position_ids mark: one row
+    of more than one position that is not a single increasing run."""
+    if position_ids is None or batch != 1 or position_ids.shape[-1] == 1:
+        return False
+    run = torch.arange(position_ids.shape[-1], device=position_ids.device) + position_ids.min()
+    return bool((run - position_ids).abs().sum())
+
+
+def _starts(position_ids) -> torch.Tensor:
+    """cu_seqlens of sequences that each restart at the smallest position (transformers' rule)."""
+    flat = position_ids.reshape(-1)
+    starts = (flat == flat.min()).nonzero().view(-1)
+    return torch.cat([starts, torch.tensor([flat.numel()], device=flat.device)]).to(torch.int32)
 
 
 def _padded(attention_varlen, query, key, value, mask, causal, scale, options):
     """A padded batch through the varlen kernel: gather each row's real tokens, attend, scatter back.
-    The query's mask is the last query-length columns of the key's (transformers' convention)."""
+    Keys past the mask are a static cache's empty slots (its first slots hold the tokens). The
+    queries' mask is the keys' when there are as many, none for one query, else the keys' last
+    columns when causal (a step over a cache); a non-causal call with other lengths
+    (cross-attention) keeps every query."""
     if mask.dim() != 2 or mask.dtype != torch.bool:
         raise ValueError(f"attention_mask: expected the 2-D bool padding mask of flash_attention_mask, got {mask.dtype} {tuple(mask.shape)}")
     batch, _, seqlen_q, _ = query.shape
+    if key.shape[2] > mask.shape[1]:
+        key, value = key[:, :, : mask.shape[1]], value[:, :, : mask.shape[1]]
     mask_k = mask[:, -key.shape[2]:]
-    mask_q = mask_k[:, -seqlen_q:]
+    if seqlen_q == key.shape[2]:
+        mask_q = mask_k
+    elif seqlen_q == 1 or not causal:
+        mask_q = torch.ones(batch, seqlen_q, dtype=torch.bool, device=mask.device)
+    else:
+        mask_q = mask_k[:, -seqlen_q:]
 
     def pack(x, keep):  # (B, H, T, d) -> (real tokens, H, d)
         return x.transpose(1, 2)[keep]
