@@ -121,3 +121,29 @@ def test_a_model_no_longer_than_its_window_runs_the_plain_kernels(monkeypatch):
     with torch.no_grad():
         ours(input_ids=torch.cat([ids, ids], dim=1))  # longer than the window: the window reaches the kernels
     assert seen == [["window_size"]] * ours.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+def test_sequences_packed_by_position_ids_match_each_sequence_alone(kind):
+    """The rows of a padded batch flattened into one, marked only by position_ids (a collator's
+    flattening): each sequence's logits are the model's on that sequence alone (fp32 eager or SDPA),
+    by the same bf16 rule against the bf16 eager model on it alone."""
+    import flashgen.integrations.transformers as fg_hf
+
+    ours = small_model(kind, fg_hf.register())
+    eager = small_model(kind, "eager")
+    eager.load_state_dict(ours.state_dict())
+    exact = small_model(kind, "eager" if kind == "gemma2" else "sdpa").float()
+    exact.load_state_dict(ours.state_dict())
+    ids, mask, _ = padded_batch("right")
+    flat = ids[mask.bool()][None]
+    positions = torch.cat([torch.arange(n, device="cuda") for n in LENGTHS])[None]
+    with torch.no_grad():
+        logits = ours(input_ids=flat, position_ids=positions).logits.float()
+        alone = [[m(input_ids=ids[row:row + 1, :n], position_ids=torch.arange(n, device="cuda")[None]).logits.float()
+                  for row, n in enumerate(LENGTHS)]
+                 for m in (eager, exact)]
+    low, ref = (torch.cat(parts, 1) for parts in alone)
+    error = (logits - ref).abs().max().item()
+    bound = 2 * (low - ref).abs().max().item() + 1e-5
+    assert error <= bound, f"{kind} packed: max |flashgen - fp32| {error:.4g} > 2 x |bf16 - fp32| {bound:.4g}"
