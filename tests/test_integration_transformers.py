@@ -168,6 +168,20 @@ def test_a_static_cache_s_empty_slots_are_cut(oracle):
         torch.testing.assert_close(out[row], alone[0].transpose(0, 1), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("v_head_dim", [8, 32])
+def test_values_of_another_head_dim(oracle, v_head_dim):
+    """V narrower than q and k (MLA) is padded and the output cropped; V wider pads q and k with
+    zeros, which leave the scores and the default scale (q's head dim) as they were."""
+    q, k, _ = qkv(batch=1)
+    v = torch.randn(1, 2, 7, v_head_dim, generator=torch.Generator().manual_seed(5))
+    out, _ = hook.attention_forward(MODULE, q, k, v, None)
+    scores = torch.matmul(q, k.repeat_interleave(2, 1).transpose(-1, -2)) * 16**-0.5
+    scores = scores.masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf"))
+    expected = torch.matmul(scores.softmax(-1), v.repeat_interleave(2, 1)).transpose(1, 2)
+    assert out.shape == (1, 7, 4, v_head_dim)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=0)
+
+
 def test_settings_that_change_nothing_pass(monkeypatch):
     """A window at least as long as the keys is no window, and softcap 0 or None is none: such a
     model runs on the plain kernels (no variant keyword reaches them)."""
