@@ -1,12 +1,15 @@
 """Ahead of time: build kernels into a folder (generated/ by default) and load them back with no
 compiler present.
 
-Per kernel the folder holds <name>.cu (the source), <name>.cubin, <name>.json (spec, checksum,
-resources) and, for a forward kernel, <name>.py, a module whose `attention` runs it. A forward
-kernel's JSON names the backward kernels built with it, which load with it, so the imported
-function is differentiable. Each file is written atomically and the JSON last, so a folder
-interrupted mid-build never holds a kernel that loads wrongly. The files are readable by everyone
-(a deployment folder, unlike the private cache).
+Per kernel the folder holds <name>.cu (the source), <name>.<checksum>.cubin, <name>.json (spec,
+the cubin's name and checksum, resources) and, for a forward kernel, <name>.py, a module whose
+`attention` runs it. A forward kernel's JSON names the backward kernels built with it, which load
+with it, so the imported function is differentiable. Each file is written atomically and the JSON
+last; the cubin is named by its checksum, so writing the JSON switches a kernel from its old build
+to its new one in one step, and backward kernels are written before the forward kernels that name
+them. A build interrupted at any point leaves every kernel loading as before or as new, never
+wrongly. A kernel loads only into the flashgen version that built it. The files are readable by
+everyone (a deployment folder, unlike the private cache).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 from . import __version__
 from .cache import cubin_matches, default_cache, write_atomic
 from .compile import Resources
+from .render import render
 from .spec import KernelSpec
 from .tuning import backward_prep, backward_specs
 from .variants import FIELDS
@@ -61,14 +65,18 @@ def export(spec: KernelSpec, out: Path, backward: tuple[str, ...] = ()) -> dict:
     artifact = default_cache().get(spec, ahead_of_time=True)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / spec.name
-    _write(stem.with_suffix(".cu"), (artifact.path / "kernel.cu").read_bytes())
-    _write(stem.with_suffix(".cubin"), artifact.cubin)
+    _write(stem.with_suffix(".cu"), render(spec).encode())  # (the source the cache compiled: rendering is deterministic)
     meta = {k: v for k, v in artifact.meta.items() if k != "compile_seconds"}
+    meta["cubin"] = f"{spec.name}.{meta['cubin_sha256'][:16]}.cubin"
+    _write(out / meta["cubin"], artifact.cubin)
     if spec.family.forward and not spec.varlen:  # (a varlen kernel runs under attention_varlen: no module)
         meta["backward"] = list(backward)
         module = MODULE.format(name=spec.name, version=__version__, nvrtc=meta["nvrtc"], package=out.name)
         _write(stem.with_suffix(".py"), module.encode())
-    _write(stem.with_suffix(".json"), json.dumps(meta, indent=2).encode())  # last
+    _write(stem.with_suffix(".json"), json.dumps(meta, indent=2).encode())  # last: the switch to this build
+    for old in (*out.glob(f"{spec.name}.*.cubin"), stem.with_suffix(".cubin")):  # the builds before it
+        if old.name != meta["cubin"]:
+            old.unlink(missing_ok=True)
     return meta
 
 
@@ -108,18 +116,19 @@ def build(specs: list[KernelSpec], out: Path, jobs: int | None = None, progress=
     jobs = jobs or min(len(plan), os.cpu_count() or 1)
     results = []
     if jobs <= 1 or len(plan) <= 1:
-        for spec, companions in plan.items():
+        for spec, companions in sorted(plan.items(), key=lambda item: bool(item[1])):  # named kernels first
             results.append(export(spec, out, companions))
             if progress:
                 progress(results[-1])
         return results
     # spawn, not fork: the parent may hold a CUDA context, which a forked child must not inherit
     with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(export, spec, out, companions) for spec, companions in plan.items()]
-        for future in as_completed(futures):
-            results.append(future.result())
-            if progress:
-                progress(results[-1])
+        for stage in (False, True):  # the kernels that forward kernels name, then the forward kernels
+            futures = [pool.submit(export, spec, out, companions) for spec, companions in plan.items() if bool(companions) == stage]
+            for future in as_completed(futures):
+                results.append(future.result())
+                if progress:
+                    progress(results[-1])
     return results
 
 
@@ -131,9 +140,25 @@ def built(out: Path) -> list[dict]:
             meta = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if "cubin_sha256" in meta and path.with_suffix(".cubin").exists():
+        if isinstance(meta, dict) and "cubin_sha256" in meta and _has_cubin(path, meta):
             found.append({**meta, "path": str(path)})
     return found
+
+
+def _has_cubin(meta_path: Path, meta: dict) -> bool:
+    try:
+        return _cubin_path(meta_path, meta).exists()
+    except ValueError:
+        return False
+
+
+def _cubin_path(meta_path: Path, meta: dict) -> Path:
+    """A kernel's cubin: the one its JSON names (<name>.<checksum>.cubin), or <name>.cubin as
+    flashgen wrote it before."""
+    name = meta.get("cubin", meta_path.stem + ".cubin")
+    if not isinstance(name, str) or Path(name).name != name:
+        raise ValueError(f"{meta_path}: its cubin must be a file beside it, got {name!r}")
+    return meta_path.with_name(name)
 
 
 class PrebuiltKernel:
@@ -150,6 +175,15 @@ class PrebuiltKernel:
                  deterministic: bool = False, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None):
         from .api import call
 
+        if getattr(q, "is_cuda", False):
+            from .plans import device_arch
+
+            target = device_arch(q.get_device())
+            if not runs_on(self.spec.arch, target):
+                raise ValueError(
+                    f"{self.spec.name} was built for {self.spec.arch}; this GPU ({q.device}) runs {target} code: "
+                    f"build it with `flashgen build --arch {target}`"
+                )
         return call(q, k, v, self.spec.causal, scale, return_lse, deterministic, spec=self.spec,
                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
 
@@ -157,11 +191,28 @@ class PrebuiltKernel:
         return f"PrebuiltKernel({self.spec.name}, {self.path})"
 
 
+def runs_on(arch: str, target: str) -> bool:
+    """Whether a cubin for `arch` runs on a GPU whose own target is `target`: the same major
+    version and no newer minor one (sm_80 code runs on sm_86); an sm_90a cubin only on sm_90a."""
+    if arch.endswith("a") or target.endswith("a"):
+        return arch == target
+    return arch[:-1] == target[:-1] and arch[-1] <= target[-1]
+
+
 def _read(meta_path: Path) -> tuple[KernelSpec, bytes, dict]:
+    if not meta_path.exists():
+        raise FileNotFoundError(f"{meta_path} is missing: the build in {meta_path.parent} is incomplete; run `flashgen build` again")
     meta = json.loads(meta_path.read_text())
-    cubin = meta_path.with_suffix(".cubin").read_bytes()
+    if not isinstance(meta, dict) or meta.get("flashgen") != __version__:
+        built_by = meta.get("flashgen") if isinstance(meta, dict) else None
+        raise ValueError(
+            f"{meta_path.name} was built by flashgen {built_by}, and this is flashgen {__version__} (a kernel's "
+            f"parameters may change between versions): rebuild it with `flashgen build`"
+        )
+    cubin_path = _cubin_path(meta_path, meta)
+    cubin = cubin_path.read_bytes()
     if not cubin_matches(cubin, meta):
-        raise ValueError(f"{meta_path.with_suffix('.cubin')} does not match its checksum: rebuild it")
+        raise ValueError(f"{cubin_path} does not match its checksum: rebuild it")
     return KernelSpec(**meta["spec"]), cubin, meta
 
 
@@ -189,7 +240,7 @@ def load(path) -> PrebuiltKernel | dict[str, PrebuiltKernel]:
                 f"<name>.cubin); build some with `flashgen build --d 64 --out {path}`"
             )
         return {meta_path.stem: load(meta_path) for meta_path in forwards}
-    meta_path = path.with_suffix(".json")  # kernel names hold no dots
+    meta_path = path.with_name(path.name.split(".")[0] + ".json")  # kernel names hold no dots
     if not meta_path.exists():
         raise FileNotFoundError(f"{meta_path} does not exist: flashgen.load takes a kernel's .json, .cubin or .py, or a build folder")
     spec, cubin, meta = _read(meta_path)

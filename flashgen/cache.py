@@ -133,7 +133,12 @@ class KernelCache:
         """The compiled kernel for `spec`: from disk, or built now (once, under a lock). With
         FLASHGEN_NO_JIT set only `ahead_of_time` builds compile; others raise NoJitError."""
         source = render(spec, self._templates_dir())
-        key = content_key(spec, source)
+        try:
+            key = content_key(spec, source)  # names the NVRTC release
+        except RuntimeError as error:  # no NVRTC here: with FLASHGEN_NO_JIT, a kernel that was not prebuilt
+            if jit_disabled() and not ahead_of_time:
+                raise no_jit_error(spec) from error
+            raise
         entry_name = f"{spec.name}-{key[:16]}"
         if jit_disabled() and not ahead_of_time and not (self.root / __version__ / spec.arch / entry_name / META).exists():
             raise no_jit_error(spec)  # before anything is created on disk
@@ -162,6 +167,8 @@ class KernelCache:
             return None
         try:
             meta = json.loads(meta_path.read_text())
+            if not isinstance(meta, dict):
+                raise ValueError(f"meta.json holds a {type(meta).__name__}, not an object")
             cubin = (entry / CUBIN).read_bytes()
             problem = None
             if meta.get("key") != key:
@@ -213,6 +220,8 @@ class KernelCache:
             try:
                 meta = json.loads(meta_path.read_text())
             except (OSError, ValueError):
+                continue
+            if not isinstance(meta, dict):
                 continue
             size = sum(f.stat().st_size for f in meta_path.parent.iterdir() if f.is_file())
             found.append({**meta, "path": str(meta_path.parent), "bytes": size})

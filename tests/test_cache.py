@@ -144,7 +144,11 @@ def flip_cubin_byte(entry):
     (entry / CUBIN).write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("damage", [truncate_cubin, garble_meta, delete_cubin, flip_cubin_byte])
+def meta_not_an_object(entry):
+    (entry / META).write_text("null")
+
+
+@pytest.mark.parametrize("damage", [truncate_cubin, garble_meta, delete_cubin, flip_cubin_byte, meta_not_an_object])
 def test_damaged_entry_is_logged_and_rebuilt(root, compiles, caplog, damage):
     original = KernelCache(root).get(SPEC)
     damage(original.path)
@@ -256,6 +260,24 @@ def test_no_jit_off_values_compile(root, compiles, monkeypatch, value):
 def test_no_jit_with_a_value_it_does_not_know_is_an_error(root, monkeypatch):
     monkeypatch.setenv("FLASHGEN_NO_JIT", "maybe")
     with pytest.raises(ValueError, match="FLASHGEN_NO_JIT='maybe': must be"):
+        KernelCache(root).get(SPEC)
+
+
+def test_no_jit_without_a_compiler_names_the_kernel_that_is_missing(root, monkeypatch):
+    """A deployment with FLASHGEN_NO_JIT may have no NVRTC at all: a kernel that was not prebuilt is
+    still a NoJitError naming it, not an install hint."""
+    from flashgen import compile as compiler
+
+    def no_nvrtc():
+        raise RuntimeError("flashgen compiles kernels with CuPy's NVRTC: pip install cupy-cuda13x nvidia-cuda-nvrtc")
+
+    monkeypatch.setattr(flashgen.cache, "content_key", lambda spec, source: compiler._nvrtc() and "")
+    monkeypatch.setattr(compiler, "_nvrtc", no_nvrtc)
+    monkeypatch.setenv("FLASHGEN_NO_JIT", "1")
+    with pytest.raises(flashgen.NoJitError, match=f"{SPEC.name} is not prebuilt"):
+        KernelCache(root).get(SPEC)
+    monkeypatch.setenv("FLASHGEN_NO_JIT", "0")
+    with pytest.raises(RuntimeError, match="pip install"):
         KernelCache(root).get(SPEC)
 
 

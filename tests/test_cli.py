@@ -4,6 +4,7 @@ the build folder it writes loads, and checks, with no GPU."""
 import importlib.util
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -41,11 +42,58 @@ def gen(tmp_path_factory):
     return out
 
 
+def cubin_of(folder, name):
+    """The cubin a built kernel's JSON names: <name>.<checksum>.cubin."""
+    meta = json.loads((folder / f"{name}.json").read_text())
+    assert meta["cubin"] == f"{name}.{meta['cubin_sha256'][:16]}.cubin"
+    return folder / meta["cubin"]
+
+
 def test_build_writes_an_importable_folder(gen):
     name = D64.name
-    assert {p.name for p in gen.iterdir()} >= {f"{name}{ext}" for ext in (".cu", ".cubin", ".json", ".py")} | {"__init__.py"}
+    assert {p.name for p in gen.iterdir()} >= {f"{name}{ext}" for ext in (".cu", ".json", ".py")} | {"__init__.py"}
     assert 'extern "C" __global__' in (gen / f"{name}.cu").read_text()
-    assert (gen / f"{name}.cubin").read_bytes().startswith(b"\x7fELF")
+    assert cubin_of(gen, name).read_bytes().startswith(b"\x7fELF")
+    assert not (gen / f"{name}.cubin").exists()
+
+
+def test_an_interrupted_rebuild_leaves_the_kernel_as_it_was_and_a_finished_one_leaves_no_stale_cubin(gen, tmp_path):
+    """The JSON is the switch: a new cubin written without its JSON (a crash in between) changes
+    nothing; a build that finishes removes the cubins of the builds before it."""
+    folder = tmp_path / "gen"
+    shutil.copytree(gen, folder)
+    (folder / f"{D64.name}.0123456789abcdef.cubin").write_bytes(b"\x7fELF half of another build")
+    (folder / f"{D64.name}.cubin").write_bytes(b"\x7fELF an older layout's")
+    assert flashgen.load(folder / f"{D64.name}.json").spec == D64
+    result = run("build", "--d", 64, "--causal", "--out", folder)
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in folder.glob(f"{D64.name}.*cubin")) == [cubin_of(folder, D64.name).name]
+
+
+def test_backward_kernels_are_written_before_the_forward_kernels_that_name_them(gen, tmp_path):
+    written = []
+    aot.build([D64], tmp_path / "gen", jobs=2, progress=lambda meta: written.append(meta["name"]))
+    forward = written.index(D64.name)
+    meta = json.loads((tmp_path / "gen" / f"{D64.name}.json").read_text())
+    assert meta["backward"] and all(written.index(name) < forward for name in meta["backward"])
+
+
+def test_load_refuses_a_kernel_of_another_version_or_a_missing_backward_piece(gen, tmp_path):
+    folder = tmp_path / "gen"
+    shutil.copytree(gen, folder)
+    forward = folder / f"{D64.name}.json"
+    meta = json.loads(forward.read_text())
+    (folder / f"{meta['backward'][0]}.json").unlink()
+    with pytest.raises(FileNotFoundError, match="is missing: the build in .* is incomplete; run `flashgen build` again"):
+        flashgen.load(forward)
+    forward.write_text(json.dumps({**meta, "flashgen": "0.0.9"}))
+    with pytest.raises(ValueError, match="built by flashgen 0.0.9, and this is flashgen .* rebuild it"):
+        flashgen.load(forward)
+
+
+def test_a_cubin_runs_on_its_own_major_version_and_sm90a_on_sm90a_only():
+    assert aot.runs_on("sm_80", "sm_86") and aot.runs_on("sm_86", "sm_86") and aot.runs_on("sm_90a", "sm_90a")
+    assert not aot.runs_on("sm_86", "sm_80") and not aot.runs_on("sm_80", "sm_90a") and not aot.runs_on("sm_90a", "sm_80")
 
 
 def test_built_files_are_readable_by_everyone(gen):
@@ -282,7 +330,7 @@ def test_reference_is_reachable_from_the_package():
 
 def test_load_without_gpu(gen):
     forward = gen / f"{D64.name}.json"
-    for path in (forward, gen / f"{D64.name}.cubin", gen / D64.name):  # .json, .cubin or stem
+    for path in (forward, cubin_of(gen, D64.name), gen / D64.name):  # .json, .cubin or stem
         kernel = flashgen.load(path)
         assert isinstance(kernel, flashgen.PrebuiltKernel)
         assert kernel.spec == D64 and repr(kernel) == f"PrebuiltKernel({D64.name}, {forward})"
@@ -312,9 +360,9 @@ def test_generated_module_imports(gen):
 
 
 def test_load_rejects_altered_cubin(gen, tmp_path):
-    for ext in (".json", ".cubin"):
-        (tmp_path / f"{D64.name}{ext}").write_bytes((gen / f"{D64.name}{ext}").read_bytes())
-    cubin = tmp_path / f"{D64.name}.cubin"
+    cubin = tmp_path / cubin_of(gen, D64.name).name
+    (tmp_path / f"{D64.name}.json").write_bytes((gen / f"{D64.name}.json").read_bytes())
+    cubin.write_bytes(cubin_of(gen, D64.name).read_bytes())
     data = bytearray(cubin.read_bytes())
     data[len(data) // 2] ^= 0x01  # same length: only the checksum can tell
     cubin.write_bytes(bytes(data))
@@ -345,7 +393,7 @@ def test_generated_folder_holds_its_readme_and_loader_and_ignores_builds():
     assert "flashgen build" in (ROOT / "generated" / "README.md").read_text()
     if not (ROOT / ".git").exists():
         pytest.skip("not a git checkout")
-    built = [f"generated/{D64.name}{ext}" for ext in (".cu", ".cubin", ".json", ".py")]
+    built = [f"generated/{D64.name}{ext}" for ext in (".cu", ".0123456789abcdef.cubin", ".json", ".py")]
     ignored = subprocess.run(["git", "check-ignore", "--no-index", *built], capture_output=True, text=True, cwd=ROOT)
     assert ignored.stdout.split() == built
     tracked = subprocess.run(["git", "ls-files", "generated"], capture_output=True, text=True, cwd=ROOT).stdout.split()
