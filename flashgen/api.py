@@ -129,16 +129,37 @@ def _attention_bwd_fake(d_o, q, k, v, o, lse, d_lse, causal, scale, deterministi
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
 
 
+def side_tensors(variant) -> list[torch.Tensor]:
+    """The tensors a variant reads (ALiBi slopes, rule tensors): saved for the backward with the
+    inputs, so that one changed in place between forward and backward is an error, as q would be."""
+    found = []
+    for value in variant:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, list):  # a rule's tensors
+            found += value
+    return found
+
+
+def autocast_inputs(q, k, v):
+    """Under CUDA autocast, every floating input but fp64 in the autocast dtype (SDPA's policy)."""
+    if not torch.is_autocast_enabled("cuda"):
+        return q, k, v
+    dtype = torch.get_autocast_dtype("cuda")
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64 else t
+                 for t in (q, k, v))
+
+
 def _setup_context(ctx, inputs, output):
     q, k, v, causal, scale, kernel, deterministic, *variant = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.save_for_backward(q, k, v, o, lse, *side_tensors(variant))
     ctx.causal, ctx.scale, ctx.kernel, ctx.deterministic, ctx.variant = causal, scale, kernel, deterministic, variant
     ctx.set_materialize_grads(False)  # an unused lse then costs nothing in the backward
 
 
 def _backward(ctx, d_o, d_lse, backward=attention_bwd, op=True):
-    q, k, v, o, lse = ctx.saved_tensors
+    q, k, v, o, lse, *_ = ctx.saved_tensors  # (the side tensors: unpacked to check their versions)
     if d_o is None:
         d_o = torch.zeros_like(o)
     dq, dk, dv = backward(d_o, q, k, v, o, lse, d_lse, ctx.causal, ctx.scale, ctx.deterministic, ctx.kernel, *ctx.variant)
@@ -159,6 +180,7 @@ class _EagerAttention(torch.autograd.Function):
         return output
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the kernels' gradients have no graph: refused, not silently cut
     def backward(ctx, d_o, d_lse):
         return _backward(ctx, d_o, d_lse, backward=backward_impl, op=False)
 
@@ -267,7 +289,7 @@ def attention(
     bfloat16 on one CUDA device; any strides with the last dimension contiguous. d is a multiple
     of 8 up to 256. causal=True masks bottom-right aligned: query i sees key j iff
     j <= i + Tk - Tq (SDPA's is_causal when Tq == Tk); a query that sees no key gets 0.
-    Under torch.autocast, float32 inputs are cast to the autocast dtype first, as SDPA does.
+    Under torch.autocast, floating inputs (but fp64) are cast to the autocast dtype first, as SDPA does.
     scale defaults to 1/sqrt(d). With return_lse=True also returns the (B, H, Tq) fp32
     log-sum-exp of the scaled scores (natural log; -inf for a row with no visible key).
 
@@ -313,9 +335,7 @@ def call(q, k, v, causal, scale, return_lse, deterministic, spec: KernelSpec | N
          window_size=(-1, -1), softcap=0.0, alibi_slopes=None, score_mod=None, mask_mod=None):
     """attention() with, optionally, the forward kernel fixed to `spec` (a prebuilt kernel's):
     the one path every public entry point takes."""
-    if isinstance(q, torch.Tensor) and q.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
-        dtype = torch.get_autocast_dtype("cuda")  # under autocast, like SDPA: fp32 in, autocast dtype
-        q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
+    q, k, v = autocast_inputs(q, k, v)
     check_inputs(q, k, v)
     variant = ()
     if alibi_slopes is not None or softcap or window_size != (-1, -1) or score_mod is not None or mask_mod is not None:

@@ -86,10 +86,23 @@ class Plan:
             make = torch.zeros if buffer.zeroed else torch.empty
             values[buffer.name] = make(buffer.shape(values), dtype=buffer.dtype, device=place)
         batch, heads = (0, 0) if self.whole else values["q"].shape[:2]
-        parts = (values,) if batch <= MAX_GRID_YZ and heads <= MAX_GRID_YZ else slices(values)
+        parts = (values,) if batch <= MAX_GRID_YZ and heads <= MAX_GRID_YZ else self.slices(values)
         for part in parts:
             for step in self.steps:
                 step.run(device, part)
+
+
+    def slices(self, values: dict):
+        """The call in pieces whose grids fit (slices); a score rule sees each piece's batch and head
+        from 0, so a plan with one is refused."""
+        rule = next((kernel.spec.score_mod for kernel in self.kernels if kernel.spec.score_mod), "")
+        if rule:
+            batch, heads = values["q"].shape[:2]
+            raise ValueError(
+                f"score_mod with batch={batch}, heads={heads}: a call of more than {MAX_GRID_YZ} batches or heads runs "
+                f"in pieces, whose batch and head indices the rule would see from 0; split the call"
+            )
+        return slices(values)
 
 
 MAX_GRID_YZ = 65535  # a grid's largest y (heads) and z (batches)

@@ -19,7 +19,7 @@ import math
 import torch
 
 from . import plans, variants
-from .api import _variant_values
+from .api import _variant_values, autocast_inputs, side_tensors
 from .families.decode import PAGE_SIZES
 from .plans import DTYPES, MAX_GRID_YZ
 from .spec import HEAD_DIM_RULE
@@ -123,14 +123,14 @@ def _attention_varlen_bwd_fake(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seq
 def _setup_context(ctx, inputs, output):
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, kernel, deterministic, *variant = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *side_tensors(variant))
     ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
     ctx.causal, ctx.scale, ctx.kernel, ctx.deterministic, ctx.variant = causal, scale, kernel, deterministic, variant
     ctx.set_materialize_grads(False)  # an unused lse then costs nothing in the backward
 
 
 def _backward(ctx, d_o, d_lse, backward=attention_varlen_bwd):
-    q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *_ = ctx.saved_tensors  # (the side tensors: version-checked)
     if d_o is None:
         d_o = torch.zeros_like(o)
     dq, dk, dv = backward(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k,
@@ -153,6 +153,7 @@ class _EagerVarlen(torch.autograd.Function):
         return output
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the kernels' gradients have no graph: refused, not silently cut
     def backward(ctx, d_o, d_lse):
         return _backward(ctx, d_o, d_lse, backward=backward_impl)
 
@@ -388,8 +389,8 @@ def attention_varlen(
     longest query and key lengths (they size the grid). A sequence may be empty.
     causal=True aligns the mask bottom-right in each sequence: query i of sequence b sees key j
     iff j <= i + len_k(b) - len_q(b). A query that sees no key gets 0 (and lse -inf).
-    softmax_scale defaults to 1/sqrt(d). Under torch.autocast, float32 inputs are cast to the
-    autocast dtype first. Returns out (total_q, heads, d), and with return_lse=True also the
+    softmax_scale defaults to 1/sqrt(d). Under torch.autocast, floating inputs (but fp64) are cast
+    to the autocast dtype first. Returns out (total_q, heads, d), and with return_lse=True also the
     (heads, total_q) fp32 log-sum-exp of the scaled scores (natural log), FlashAttention's varlen
     layout. deterministic=True gives bitwise-reproducible gradients, as in attention().
     Variants, flash_attn_varlen_func's, aligned bottom-right in each sequence like causal (query i
@@ -419,9 +420,7 @@ def attention_varlen(
     rows, never an access outside q, k, v or out; rows of a sequence longer than max_seqlen_q are
     left uncomputed (as in FlashAttention).
     """
-    if isinstance(q, torch.Tensor) and q.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
-        dtype = torch.get_autocast_dtype("cuda")  # under autocast, like SDPA: fp32 in, autocast dtype
-        q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
+    q, k, v = autocast_inputs(q, k, v)
     check_no_dropout(dropout_p)
     if block_table is not None and torch.compiler.is_compiling():  # one op; its checks run when it runs
         o, lse = attention_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,

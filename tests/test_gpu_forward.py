@@ -329,6 +329,18 @@ def test_sdpa_agreement_for_equal_lengths():
     assert math.isfinite(ours.float().sum().item())
 
 
+def test_autocast_casts_every_floating_input_like_sdpa():
+    """SDPA's autocast policy: every floating input but fp64 in the autocast dtype (fp16 ones too,
+    and mixed ones)."""
+    q, k, v = make_qkv(1, 2, 2, 100, 100, 64, torch.float16)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        for inputs in ((q, k, v), (q, k.float(), v)):
+            out = flashgen.attention(*inputs, causal=True)
+            theirs = torch.nn.functional.scaled_dot_product_attention(*inputs, is_causal=True)
+            assert out.dtype == theirs.dtype == torch.bfloat16
+            assert torch.equal(out, flashgen.attention(*(t.bfloat16() for t in inputs), causal=True))
+
+
 def test_autocast_casts_fp32_inputs_like_sdpa():
     q, k, v = make_qkv(1, 2, 2, 100, 100, 64, torch.float32)
     with torch.autocast("cuda", dtype=torch.bfloat16):

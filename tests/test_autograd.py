@@ -1,0 +1,67 @@
+"""attention()'s and attention_varlen()'s eager autograd without a GPU: the kernels' places taken by
+stand-ins (o = q, and a backward that hands d_o back as dq), so what is checked is the plumbing:
+a double backward is refused rather than silently cut, a tensor a variant reads (ALiBi slopes, a
+rule's tensors) changed in place between forward and backward is an error, as for q, and a score
+rule refuses the grid slices of more than 65,535 batches or heads."""
+
+import pytest
+import torch
+
+from flashgen import ScoreMod, api, plans, tuning, varlen
+from flashgen.kernels import Kernel
+
+
+@pytest.fixture
+def stand_ins(monkeypatch):
+    def forward(q, k, v, *args, **kwargs):
+        return q.detach().clone(), torch.zeros(q.shape[:-1])
+
+    def backward(d_o, q, k, v, *args):
+        return d_o.clone(), torch.zeros_like(k), torch.zeros_like(v)
+
+    for module in (api, varlen):
+        monkeypatch.setattr(module, "forward_impl", forward)
+        monkeypatch.setattr(module, "backward_impl", backward)
+
+
+def leaves(*shape):
+    return [torch.randn(*shape, generator=torch.Generator().manual_seed(i)).requires_grad_() for i in range(3)]
+
+
+def attend(q, k, v, variant=()):
+    return api._EagerAttention.apply(q, k, v, False, 1.0, "", False, *variant)
+
+
+def attend_varlen(q, k, v, variant=()):
+    cu = torch.tensor([0, q.shape[0]], dtype=torch.int32)
+    return varlen._EagerVarlen.apply(q, k, v, cu, cu, q.shape[0], q.shape[0], False, 1.0, "", False, *variant)
+
+
+@pytest.mark.parametrize("call, shape", [(attend, (1, 2, 5, 8)), (attend_varlen, (5, 2, 8))], ids=["attention", "varlen"])
+def test_a_double_backward_is_refused_not_cut(stand_ins, call, shape):
+    q, k, v = leaves(*shape)
+    o, _ = call(q, k, v)
+    (dq,) = torch.autograd.grad(o.pow(2).sum(), q, create_graph=True)
+    assert torch.allclose(dq, 2 * q)
+    with pytest.raises(RuntimeError, match="once_differentiable|differentiate twice"):
+        (dq.sum() + q.sum()).backward()
+
+
+@pytest.mark.parametrize("call, shape", [(attend, (1, 2, 5, 8)), (attend_varlen, (5, 2, 8))], ids=["attention", "varlen"])
+def test_a_variant_tensor_changed_in_place_before_the_backward_is_an_error(stand_ins, call, shape):
+    q, k, v = leaves(*shape)
+    slopes, table = torch.ones(1, 2), torch.zeros(4)
+    variant = (-1, -1, 0.0, slopes, "", [table], "", []) if call is attend else (-1, -1, 0.0, slopes)
+    o, _ = call(q, k, v, variant)
+    o.sum().backward(retain_graph=True)  # untouched: fine
+    (slopes if call is attend_varlen else table).mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        o.sum().backward()
+
+
+def test_a_score_rule_refuses_the_grid_slices():
+    rule = ScoreMod("score + b", lambda score, b, h, q_idx, kv_idx: score + b, grad="1.f")
+    spec = tuning.forward_spec(64, "bf16", False, "sm_90a", 512, variant=(("score_mod", rule.source),))
+    plan = plans.Plan((plans.Launch(Kernel(spec, b"")),))
+    with pytest.raises(ValueError, match="score_mod with batch=65536, heads=1: a call of more than 65535 batches"):
+        plan.run(-1, {"q": torch.empty(65536, 1, 1, 64)})
