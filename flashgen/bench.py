@@ -2,8 +2,11 @@
 inputs, in the convention of FlashAttention's own benchmark (see ANCHORS.md): batch x seqlen = 16k
 tokens, model dim 2048 (heads = 2048 / d), bf16, forward FLOPs = 4 * B * H * T^2 * d (halved when
 causal), backward = 2.5x forward; the median of 20 timed calls after 5 warm-ups, each timed with
-CUDA events. The backward is timed as `out.backward(dout, retain_graph=True)`, as FlashAttention's
-benchmark does.
+CUDA events around GPU work alone (the GPU is kept busy while the host queues the call, so no
+backend's host cost counts; `flashgen bench` reports host cost on its own line). The backward is
+timed as `out.backward(dout, retain_graph=True)` with the gradients cleared before each call, as
+FlashAttention's benchmark does. flashgen's output is checked against an SDPA backend's before any
+of its rows is timed: a wrong kernel gets no number.
 """
 
 from __future__ import annotations
@@ -26,17 +29,33 @@ HEAD_DIMS = (64, 128)
 
 
 def forward_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal) -> float:
-    flops = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
-    return flops / 2 if causal else flops
+    """4 * B * H * Tq * Tk * d, of the (query, key) pairs causal attention sees: half when Tq = Tk
+    (FlashAttention's convention), else the pairs bottom-right alignment leaves."""
+    pairs = seqlen_q * seqlen_k
+    if causal:
+        if seqlen_q == seqlen_k:
+            pairs /= 2
+        elif seqlen_q < seqlen_k:
+            pairs -= seqlen_q * (seqlen_q - 1) // 2
+        else:
+            pairs = seqlen_k * (seqlen_k + 1) // 2
+    return 4.0 * batch * heads * pairs * head_dim
+
+
+HOST_MARGIN_CYCLES = 2_000_000  # about a millisecond of GPU sleep, longer than any call's host work
 
 
 def time_ms(fn, warmup: int = 5, rep: int = 20) -> float:
-    """Median milliseconds of `rep` calls, each between its own pair of CUDA events."""
+    """Median milliseconds of GPU work of `rep` calls, each between its own pair of CUDA events.
+    The GPU sleeps while the host queues the start event and the call, so that the events time
+    the call's kernels, not the host's cost of launching them (which would count one backend's
+    Python or dispatcher against another's)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(rep):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(HOST_MARGIN_CYCLES)
         start.record()
         fn()
         end.record()
@@ -89,12 +108,17 @@ def _timer(attention, q, k, v, causal, mode):
     """A no-argument callable running one `mode` pass of `attention`."""
     if mode == "fwd":
         return lambda: attention(q, k, v, causal=causal)
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     d_o = torch.randn_like(q)
+
+    def fresh():  # no gradient accumulation timed with the backward
+        for t in leaves:
+            t.grad = None
+
     if mode == "bwd":
-        out = attention(q, k, v, causal=causal)
-        return lambda: out.backward(d_o, retain_graph=True)
-    return lambda: attention(q, k, v, causal=causal).backward(d_o)
+        out = attention(*leaves, causal=causal)
+        return lambda: fresh() or out.backward(d_o, retain_graph=True)
+    return lambda: fresh() or attention(*leaves, causal=causal).backward(d_o)
 
 
 def table(mode="fwd", head_dims=HEAD_DIMS, seqlens=SEQLENS, causals=(False, True)):
@@ -122,13 +146,41 @@ def _row(mode, inputs, causal) -> dict:
     batch, heads, seqlen, head_dim = q.shape
     flops = MODES[mode] * forward_flops(batch, heads, seqlen, seqlen, head_dim, causal)
     row = {"mode": mode, "d": head_dim, "causal": causal, "T": seqlen, "heads": f"{heads}:{k.shape[1]}"}
+    wrong = _wrong(peers, q, k, v, causal)
     for name, attention in peers.items():
+        if name == "flashgen" and wrong:
+            row[name], row["flashgen_error"] = None, wrong
+            continue
         try:
             row[name] = flops / time_ms(_timer(attention, q, k, v, causal, mode)) / 1e9
-        except RuntimeError:  # backend not available for this shape or GPU
+        except RuntimeError as error:  # a peer without a kernel for this shape or GPU; flashgen's own failures are kept
             row[name] = None
-    row["kernel"] = _kernel_name(q, causal, mode)
+            if name == "flashgen":
+                row["flashgen_error"] = f"{type(error).__name__}: {error}"[:300]
+    row["kernel"] = _kernel_name(q, causal, mode) if row["flashgen"] else "-"
     return row
+
+
+GATE = 0.05  # largest |flashgen - SDPA| of the outputs (values of order 1) that two exact kernels in bf16 stay under
+
+
+def _wrong(peers, q, k, v, causal) -> str:
+    """Why flashgen's output on these inputs is not attention's ("" when it is): compared with the
+    first SDPA backend that runs them, before any timing."""
+    try:
+        ours = peers["flashgen"](q, k, v, causal=causal).float()
+    except RuntimeError as error:
+        return f"{type(error).__name__}: {error}"[:300]
+    for name, attention in peers.items():
+        if name == "flashgen":
+            continue
+        try:
+            theirs = attention(q, k, v, causal=causal).float()
+        except RuntimeError:
+            continue
+        error = (ours - theirs).abs().max().item()
+        return "" if error <= GATE else f"wrong output: max |flashgen - {name}| = {error:.3g} > {GATE}"
+    return ""
 
 
 def _pinned(pin):
@@ -261,8 +313,15 @@ def markdown(report: dict) -> str:
     for title, rows in _titled_tables(report):
         lines += [title, "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
         lines += ["| " + " | ".join(_cells(row)) + " |" for row in rows]
+        lines += ["", *_errors(rows)] if _errors(rows) else []
         lines.append("")
     return "\n".join(lines)
+
+
+def _errors(rows) -> list[str]:
+    """Why flashgen has no number in a row (a wrong output, or its error), one line each."""
+    return [f"- d={row['d']} causal={row['causal']} T={row['T']}: flashgen {row['flashgen_error']}"
+            for row in rows if row.get("flashgen_error")]
 
 
 def _titled_tables(report: dict):
@@ -297,6 +356,8 @@ def run(head_dims=HEAD_DIMS, seqlens=SEQLENS, modes=tuple(MODES), json_path=None
         for row in rows:
             out.add_row(*_cells(row))
         console.print(out)
+        for line in _errors(rows):
+            console.print(line, markup=False)
     for row in report["backward_memory_mib"]:
         console.print(
             f"backward extra memory d={row['d']} causal={row['causal']} T={row['T']}: flashgen "
@@ -351,7 +412,13 @@ def _time_modes(forward, leaves, flops) -> dict:
             t.requires_grad_()
         out = forward()
         d_o = torch.randn_like(out)
-        result["bwd"] = MODES["bwd"] * flops / time_ms(lambda: out.backward(d_o, retain_graph=True)) / 1e9
+
+        def backward():
+            for t in leaves:
+                t.grad = None  # no gradient accumulation timed with the backward
+            out.backward(d_o, retain_graph=True)
+
+        result["bwd"] = MODES["bwd"] * flops / time_ms(backward) / 1e9
         for t in leaves:
             t.requires_grad_(False)
             t.grad = None
@@ -444,18 +511,22 @@ DECODE_HEADS, DECODE_KV_HEADS, DECODE_HEAD_DIM, DECODE_PAGE = 32, 8, 128, 16
 GRAPH_CALLS, GRAPH_REPS = 20, 10
 
 
-def graph_time_us(fn, calls: int = GRAPH_CALLS, reps: int = GRAPH_REPS) -> float:
-    """GPU microseconds per call of `fn`: `calls` calls captured in one CUDA graph (so no host cost
-    counts), the median of `reps` replays timed with CUDA events, divided by `calls`."""
+def graph_time_us(fns, calls: int = GRAPH_CALLS, reps: int = GRAPH_REPS) -> float:
+    """GPU microseconds per call: `calls` calls captured in one CUDA graph (so no host cost counts),
+    the median of `reps` replays timed with CUDA events, divided by `calls`. `fns` is one callable,
+    or several over copies of the inputs, called in turn (l2_copies: so that a cache smaller than
+    L2 is read from memory, as each layer's is in a model's decoding step)."""
+    fns = list(fns) if isinstance(fns, (list, tuple)) else [fns]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compile, load and allocate outside the graph
-        fn()
+        for fn in fns:
+            fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+        for call in range(calls):
+            fns[call % len(fns)]()
     graph.replay()
     times = []
     for _ in range(reps):
@@ -466,6 +537,13 @@ def graph_time_us(fn, calls: int = GRAPH_CALLS, reps: int = GRAPH_REPS) -> float
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / calls)
     return statistics.median(times)
+
+
+def l2_copies(nbytes: int, calls: int = GRAPH_CALLS) -> int:
+    """Copies of a problem of `nbytes` that, read in turn, are twice the L2 cache together (at most
+    one per call): none of them is still in L2 when its turn comes again."""
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    return max(1, min(calls, -(-2 * l2 // nbytes)))
 
 
 def copy_rate_tbs(size: int = 2**30) -> float:
@@ -519,7 +597,8 @@ def _sdpa_step(pin, q, k, v):
 def decode_rows(cases=DECODE_CASES, rate: float | None = None) -> list[dict]:
     """GPU time per decode step (graph replay) of flashgen (append, attention, the splits' merge),
     contiguous and paged, next to SDPA's FLASH and CUDNN and to the memory floor: the K and V bytes
-    at the measured copy rate."""
+    at the measured copy rate. Caches smaller than L2 are read from memory (steps over copies in
+    turn), as in a model, where every other layer's cache passes through L2 between two steps."""
     from . import plans
 
     rate = rate or copy_rate_tbs()
@@ -527,17 +606,18 @@ def decode_rows(cases=DECODE_CASES, rate: float | None = None) -> list[dict]:
     rows = []
     for batch, seqlen in cases:
         kv_bytes = 2 * batch * DECODE_KV_HEADS * seqlen * DECODE_HEAD_DIM * 2
+        copies = l2_copies(kv_bytes)  # every backend reads its K and V from memory, as in a model
         sdpa = {}
-        q, k, v = _sdpa_inputs(batch, seqlen, gen)
+        problems = [_sdpa_inputs(batch, seqlen, gen) for _ in range(copies)]
         for name in ("flash", "cudnn"):
             try:
-                sdpa[name] = graph_time_us(_sdpa_step(sdpa_backends()[name], q, k, v))
+                sdpa[name] = graph_time_us([_sdpa_step(sdpa_backends()[name], *problem) for problem in problems])
             except RuntimeError:  # the backend refuses this shape or GPU
                 sdpa[name] = None
-        del q, k, v
+        del problems
         for paged in (False, True):
-            inputs = _decode_step(batch, seqlen, paged, gen)
-            us = graph_time_us(_flashgen_step(inputs))
+            inputs = [_decode_step(batch, seqlen, paged, gen) for _ in range(copies)]
+            us = graph_time_us([_flashgen_step(problem) for problem in inputs])
             plan, splits = plans.decode(0, DECODE_HEAD_DIM, torch.bfloat16, paged, DECODE_HEADS // DECODE_KV_HEADS, batch,
                                         DECODE_KV_HEADS, seqlen + 1)
             floor = kv_bytes / (rate * 1e12) * 1e6

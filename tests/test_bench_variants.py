@@ -209,3 +209,37 @@ def test_host_timing_interleaves_the_ops_rounds():
     assert events[:200] == ["a", "b"] * 100  # warm-up
     assert "".join(events[200:]) == "|aaa||bbb||aaa||bbb|"
     assert set(times) == {"a", "b"} and all(0 < us < 1e6 for us in times.values())
+
+
+def test_forward_flops_count_the_pairs_bottom_right_causal_attention_sees():
+    from flashgen.reference import visible_pairs
+
+    assert bench.forward_flops(2, 3, 100, 100, 64, True) == 4.0 * 2 * 3 * 100 * 100 * 64 / 2  # FlashAttention's convention
+    for seqlen_q, seqlen_k in ((64, 1000), (1, 8192), (300, 40)):
+        pairs = visible_pairs(seqlen_q, seqlen_k, True)
+        assert bench.forward_flops(1, 1, seqlen_q, seqlen_k, 1, True) == 4.0 * pairs, (seqlen_q, seqlen_k)
+    assert bench.forward_flops(1, 1, 64, 1000, 1, False) == 4.0 * 64 * 1000
+
+
+def test_the_backward_is_timed_without_gradient_accumulation():
+    """Each timed backward starts from cleared gradients: the same gradient every call, not a sum."""
+    leaves = []
+
+    def attention(q, k, v, causal):
+        leaves.append(q)
+        return naive_attention(q, k, v, causal=causal)[0]
+
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    for mode in ("bwd", "fwd+bwd"):
+        step = bench._timer(attention, q, k, v, True, mode)
+        step()
+        first = leaves[-1].grad.clone()
+        step()
+        assert torch.equal(leaves[-1].grad, first), mode
+
+
+def test_a_row_without_a_flashgen_number_says_why():
+    row = {"d": 64, "causal": True, "T": 512, "flashgen": None, "flash": 300.0, "cudnn": None, "efficient": None,
+           "kernel": "-", "flashgen_error": "wrong output: max |flashgen - flash| = 0.9 > 0.05"}
+    text = bench.markdown({"tables": {"fwd": [row]}})
+    assert "- d=64 causal=True T=512: flashgen wrong output: max |flashgen - flash| = 0.9 > 0.05" in text
