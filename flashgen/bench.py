@@ -329,7 +329,7 @@ def _titled_tables(report: dict):
         yield f"{mode} (TFLOPS)", rows
     if report.get("gqa"):
         row = report["gqa"][0]
-        yield f"GQA {row['heads']}, causal, fwd / bwd / fwd+bwd (TFLOPS)", report["gqa"]
+        yield f"GQA {row['heads']}, causal, {' / '.join(r['mode'] for r in report['gqa'])} (TFLOPS)", report["gqa"]
 
 
 def run(head_dims=HEAD_DIMS, seqlens=SEQLENS, modes=tuple(MODES), json_path=None, console=None) -> dict:

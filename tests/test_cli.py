@@ -278,7 +278,7 @@ def test_bench_markdown_tables():
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     assert "| 64 | yes | 4096 | 250 | 200 | - | 100 | 1.25 | - | fwd_sm90_d64_m192_n128_bf16_causal_s2_sm90a |" in text
-    assert "GQA 32:8, causal" in text and "| 128 | yes | 16384 | 250 | 200 | 500 | 100 | 1.25 | 0.50 |" in text
+    assert "GQA 32:8, causal, bwd (TFLOPS)" in text and "| 128 | yes | 16384 | 250 | 200 | 500 | 100 | 1.25 | 0.50 |" in text
 
 
 def test_doctor_reports_nvrtc_and_the_gpu_situation():
