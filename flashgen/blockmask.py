@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import kernels, workspace
+from . import kernels, runtime, workspace
 from .spec import KernelSpec
 
 _kept: OrderedDict = OrderedDict()  # key -> (lists, weak references to the rule's tensors)
@@ -66,7 +66,7 @@ class BlockMasks:
         lists = self._lists.get(shape)
         if lists is None:
             tensors = self.rule.arguments()
-            capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            capturing = self.device.type == "cuda" and bool(runtime.capture_of(runtime._current_stream(self.device.index)))
             # a graph captured with a tensor rule makes its lists at each replay, from the tensors then
             key = None if tensors and capturing else (
                 self.rule.source, self.causal, self.window, self.batches, self.heads, self.seqlen_q, self.seqlen_k,

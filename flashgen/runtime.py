@@ -93,6 +93,8 @@ _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
 def capture_of(stream: int) -> int:
     """The id of the CUDA graph capture under way on `stream` (a raw handle), or 0 when none is.
     (The driver's three-argument cuStreamGetCaptureInfo, which every driver since CUDA 10 keeps.)"""
+    if not stream:  # the legacy default stream is never captured (and asking it needs a current context)
+        return 0
     status, capture = _local_capture()
     check(driver(), driver().cuStreamGetCaptureInfo(ctypes.c_void_p(stream), status[1], capture[1]), "cuStreamGetCaptureInfo")
     return capture[0].value if status[0].value else 0
@@ -181,18 +183,24 @@ class Module:
     def function(self, device: int, symbol: str, smem: int) -> ctypes.c_void_p:
         """The function `symbol` on `device`, allowed `smem` bytes of dynamic shared memory."""
         lib = driver()
-        with _lock:
-            make_current(device)
-            module = self._handles.get(device)
-            if module is None:
-                handle = ctypes.c_void_p()
-                check(lib, lib.cuModuleLoadData(ctypes.byref(handle), self.image), f"loading {self.name}")
-                module = self._handles[device] = handle.value
-        function = ctypes.c_void_p()
-        check(lib, lib.cuModuleGetFunction(ctypes.byref(function), module, symbol.encode()), f"finding {symbol}")
-        check(lib, lib.cuFuncSetAttribute(function, _MAX_DYNAMIC_SMEM, smem), "setting shared memory")
-        # The largest shared-memory carve-out, so that two blocks fit on one SM.
-        check(lib, lib.cuFuncSetAttribute(function, _SMEM_CARVEOUT, 100), "setting the carve-out")
+        previous = ctypes.c_void_p()
+        lib.cuCtxGetCurrent(ctypes.byref(previous))
+        try:
+            with _lock:
+                make_current(device)
+                module = self._handles.get(device)
+                if module is None:
+                    handle = ctypes.c_void_p()
+                    check(lib, lib.cuModuleLoadData(ctypes.byref(handle), self.image), f"loading {self.name}")
+                    module = self._handles[device] = handle.value
+            function = ctypes.c_void_p()
+            check(lib, lib.cuModuleGetFunction(ctypes.byref(function), module, symbol.encode()), f"finding {symbol}")
+            check(lib, lib.cuFuncSetAttribute(function, _MAX_DYNAMIC_SMEM, smem),
+                  f"allowing {symbol} {smem} bytes of shared memory on device {device}")
+            # The largest shared-memory carve-out, so that two blocks fit on one SM.
+            check(lib, lib.cuFuncSetAttribute(function, _SMEM_CARVEOUT, 100), f"setting {symbol}'s shared-memory carve-out")
+        finally:
+            _restore(lib, previous.value, device)
         return function
 
 
@@ -206,8 +214,25 @@ def launch(function, x: int, y: int, z: int, threads: int, smem: int, device: in
     lib = driver()
     _, _, current, current_ref = slot
     lib.cuCtxGetCurrent(current_ref)
-    if current.value != _contexts[device]:  # PyTorch's context for this device is usually current
+    previous = current.value
+    if previous != _contexts[device]:  # PyTorch's context for this device is usually current
         make_current(device)
+        try:
+            _launch(lib, function, x, y, z, threads, smem, device, pointers, name, dependent)
+        finally:
+            _restore(lib, previous, device)  # the caller's device stays PyTorch's current one
+        return
+    _launch(lib, function, x, y, z, threads, smem, device, pointers, name, dependent)
+
+
+def _restore(lib, previous, device: int) -> None:
+    """Make `previous` (a context, or none) current again after work on `device`: the CUDA runtime,
+    and so PyTorch, takes the current context for the current device."""
+    if previous != _contexts.get(device):
+        lib.cuCtxSetCurrent(ctypes.c_void_p(previous))
+
+
+def _launch(lib, function, x, y, z, threads, smem, device, pointers, name, dependent) -> None:
     stream = _current_stream(device)
     if dependent:
         config = _dependent_config(x, y, z, threads, smem, stream)

@@ -101,6 +101,50 @@ def driver(monkeypatch):
     return stub
 
 
+class ContextStub(StubDriver):
+    """A driver that keeps the thread's current context, as the CUDA runtime reads it."""
+
+    def __init__(self, current):
+        super().__init__()
+        self.current, self.during = current, []
+
+    def cuCtxGetCurrent(self, ref):
+        ref._obj.value = self.current
+        return 0
+
+    def cuCtxSetCurrent(self, context):
+        self.current = context.value if isinstance(context, ctypes.c_void_p) else context
+        return 0
+
+    def cuLaunchKernel(self, *args):
+        self.during.append(self.current)
+        return super().cuLaunchKernel(*args)
+
+
+def test_a_launch_on_another_gpu_leaves_the_callers_context_current(monkeypatch):
+    """Tensors on cuda:1 while PyTorch's current device is 0: the launch runs in device 1's context
+    and then puts device 0's back, so torch.cuda.current_device() does not move."""
+    stub = ContextStub(current=0x100)
+    monkeypatch.setattr(runtime, "driver", lambda: stub)
+    monkeypatch.setattr(runtime, "_current_stream", lambda device: 0xABC0)
+    monkeypatch.setattr(runtime, "_contexts", {0: 0x100, 1: 0x200})
+    slot = runtime.launch_slot()
+    pointers = runtime.param_pointers(slot, (0,))
+    runtime.launch(ctypes.c_void_p(0x77), 1, 1, 1, 32, 0, 1, slot, pointers, "k")
+    runtime.launch(ctypes.c_void_p(0x77), 1, 1, 1, 32, 0, 0, slot, pointers, "k")
+    assert stub.during == [0x200, 0x100] and stub.current == 0x100
+    stub.current = None  # a thread with no context at all keeps none
+    runtime.launch(ctypes.c_void_p(0x77), 1, 1, 1, 32, 0, 1, slot, pointers, "k")
+    assert stub.during[-1] == 0x200 and stub.current is None
+
+
+def test_the_default_stream_is_never_asked_for_a_capture(monkeypatch):
+    """The legacy default stream (0) cannot be captured: no driver call (which would need a current
+    context) for the common eager case."""
+    monkeypatch.setattr(runtime, "driver", lambda: (_ for _ in ()).throw(AssertionError("the driver was asked")))
+    assert runtime.capture_of(0) == 0
+
+
 def unpack(spec, values) -> dict:
     """Each parameter's value, from the bytes its kernelParams pointer showed."""
     codes = {"ptr": "Q", "i64": "q", "int": "i", "float": "f", "tensormap": "128s"}

@@ -172,6 +172,9 @@ def test_kept_block_mask_lists_are_copies_of_their_own_and_a_capture_keeps_none(
     kept = lists()
     assert len(copied_on) == 3 and kept is not made[0] and torch.equal(kept.count, made[0].count)
     assert kept.count.data_ptr() != made[0].count.data_ptr() and lists() is kept
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    from flashgen import runtime
+
+    monkeypatch.setattr(runtime, "_current_stream", lambda device: 0xABC0)
+    monkeypatch.setattr(runtime, "capture_of", lambda stream: 7)  # a capture under way on that stream
     in_graph = lists("cuda")  # (nothing runs on the device: _make is stubbed)
     assert in_graph is made[-1] and len(blockmask._kept) == 1 and len(copied_on) == 3
