@@ -353,3 +353,15 @@ def test_autocast_casts_fp32_inputs_like_sdpa():
     assert out.dtype == theirs.dtype == torch.bfloat16
     check_against_reference(*(t.to(torch.bfloat16) for t in (q, k, v)), True, out,
                             flashgen.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True, return_lse=True)[1])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_call_on_another_gpu_leaves_the_current_device_alone():
+    """Tensors on cuda:1 while device 0 is current: the result is right, and PyTorch's current
+    device (which the CUDA runtime reads from the current context) is still 0 afterwards."""
+    torch.cuda.set_device(0)
+    q, k, v = (t.to("cuda:1") for t in make_qkv(1, 2, 2, 100, 100, 64, torch.bfloat16))
+    out = flashgen.attention(q, k, v, causal=True)
+    assert torch.cuda.current_device() == 0 and out.device == q.device
+    assert torch.empty(1, device="cuda").device == torch.device("cuda:0")
+    check_against_reference(q, k, v, True, out, flashgen.attention(q, k, v, causal=True, return_lse=True)[1])
