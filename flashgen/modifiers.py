@@ -25,29 +25,58 @@ from __future__ import annotations
 import hashlib
 import json
 import keyword
+import re
 from typing import Callable
 
 # dtype name -> C type of a modifier's tensor
 CTYPES = {"float32": "float", "float64": "double", "int32": "int", "int64": "long long", "bool": "bool", "uint8": "unsigned char",
           "int8": "signed char", "int16": "short"}
 INDICES = ("score", "b", "h", "q_idx", "kv_idx")
-RESERVED = set(INDICES)  # the rule's own arguments
+# the rule's own arguments, and names the rule's struct or the kernel around it holds
+RESERVED = {*INDICES, "grad", "DEVICE", "NEG_INF", "POS_INF", "mod"}
+# C++ keywords and type names a tensor cannot be named (Python's keywords are refused too)
+CPP_WORDS = {
+    "auto", "bool", "break", "case", "char", "const", "constexpr", "continue", "default", "delete", "do", "double", "else",
+    "enum", "extern", "float", "for", "goto", "if", "inline", "int", "long", "new", "operator", "private", "public",
+    "register", "restrict", "return", "short", "signed", "sizeof", "static", "struct", "switch", "template", "this",
+    "typedef", "typename", "union", "unsigned", "using", "virtual", "void", "volatile", "while", "true", "false",
+    "nullptr", "half", "i64", "u32", "u64", "elem_t",
+}
+# what would make the text more than one expression: statements, blocks, comments, and
+# preprocessor lines (a newline, '#', a line continuation, or a digraph)
+FORBIDDEN = (";", "{", "}", "//", "/*", "\n", "\r", "#", "\\", "<%", "%>", "<:", ":>", "%:")
 
 
 def _dtype_name(tensor) -> str:
     return str(tensor.dtype).removeprefix("torch.")
 
 
-def _check(kind: str, cuda, tensors) -> None:
+def check_expression(kind: str, cuda) -> None:
+    """One CUDA expression on one line: no statement, block, comment or preprocessor line."""
     if not isinstance(cuda, str) or not cuda.strip():
         raise ValueError(f"{kind}: the CUDA expression must be a non-empty string, got {cuda!r}")
-    if any(c in cuda for c in ";{}") or "//" in cuda or "/*" in cuda:
-        raise ValueError(f"{kind}: {cuda!r} must be one expression (no ';', braces or comments)")
+    found = [token for token in FORBIDDEN if token in cuda]
+    if found:
+        raise ValueError(f"{kind}: {cuda!r} must be one expression on one line (it holds {found[0]!r}: no ';', braces, "
+                         f"comments, newlines, '#', backslashes or digraphs)")
+
+
+def check_name(kind: str, name) -> None:
+    """A tensor's name: an identifier that names nothing else in the kernel."""
+    if (not (isinstance(name, str) and name.isidentifier() and name.isascii()) or keyword.iskeyword(name) or name in RESERVED
+            or name in CPP_WORDS or name.startswith("_")):
+        raise ValueError(
+            f"{kind}: tensor name {name!r} must be an ASCII identifier, not starting with '_', other than a C++ or "
+            f"Python keyword or one of {', '.join(sorted(RESERVED))}"
+        )
+
+
+def _check(kind: str, cuda, tensors) -> None:
+    check_expression(kind, cuda)
     import torch
 
     for name, tensor in tensors.items():
-        if not (isinstance(name, str) and name.isidentifier() and not keyword.iskeyword(name)) or name in RESERVED:
-            raise ValueError(f"{kind}: tensor name {name!r} must be an identifier other than {', '.join(sorted(RESERVED))}")
+        check_name(kind, name)
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{kind}: tensors[{name!r}] must be a torch.Tensor, got {type(tensor).__name__}")
         if _dtype_name(tensor) not in CTYPES:
@@ -104,6 +133,10 @@ class MaskMod(_Modifier):
                  per_head: bool = True):
         super().__init__(cuda, python, tensors)
         self.per_batch, self.per_head = bool(per_batch), bool(per_head)
+        for flag, index in (("per_batch", "b"), ("per_head", "h")):
+            if not getattr(self, flag) and re.search(rf"\b{index}\b", cuda):
+                raise ValueError(f"mask_mod: {cuda!r} reads {index} while {flag}=False says it ignores it (its block mask "
+                                 f"would come from {index} = 0 alone)")
         self.source = self._source(per_batch=self.per_batch, per_head=self.per_head)
 
 
@@ -122,6 +155,28 @@ class Rule:
 def parse(source: str) -> dict:
     """A modifier's source (spec field text) back as a dict: cuda, tensors, and grad or per_batch/per_head."""
     return json.loads(source)
+
+
+def validate(kind: str, source: str) -> None:
+    """A source as ScoreMod/MaskMod make it, whoever wrote it: its keys, one-line expressions,
+    tensor names and C types (what spec.check_modifier runs on every spec)."""
+    parsed = parse(source)
+    keys = {"cuda", "tensors", *(("grad",) if kind == "score_mod" else ("per_batch", "per_head"))}
+    if not isinstance(parsed, dict) or set(parsed) != keys:
+        raise ValueError(f"{kind}: a source holds exactly the keys {sorted(keys)}")
+    check_expression(kind, parsed["cuda"])
+    if kind == "score_mod" and parsed["grad"]:
+        check_expression("score_mod grad", parsed["grad"])
+    if kind == "mask_mod" and not all(isinstance(parsed[flag], bool) for flag in ("per_batch", "per_head")):
+        raise ValueError("mask_mod: per_batch and per_head must be true or false")
+    if not isinstance(parsed["tensors"], list):
+        raise ValueError(f"{kind}: tensors must be a list of [name, C type] pairs")
+    for pair in parsed["tensors"]:
+        if not (isinstance(pair, list) and len(pair) == 2):
+            raise ValueError(f"{kind}: tensors must be a list of [name, C type] pairs, got {pair!r}")
+        check_name(kind, pair[0])
+        if pair[1] not in CTYPES.values():
+            raise ValueError(f"{kind}: tensor {pair[0]!r} has C type {pair[1]!r}; allowed: {', '.join(CTYPES.values())}")
 
 
 def tag(source: str) -> str:

@@ -56,13 +56,12 @@ def check_modifier(field: str, source) -> None:
     if not isinstance(source, str):
         raise SpecError(f"{field}={source!r}: must be a modifier's source text (or \"\")")
     if source:
+        from . import modifiers
+
         try:
-            parsed = json.loads(source)
-            ok = isinstance(parsed, dict) and isinstance(parsed.get("cuda"), str) and isinstance(parsed.get("tensors"), list)
-        except ValueError:
-            ok = False
-        if not ok:
-            raise SpecError(f"{field}: {source[:60]!r} is not a modifier's source (use ScoreMod/MaskMod(...).source)")
+            modifiers.validate(field, source)
+        except (ValueError, TypeError, KeyError) as error:
+            raise SpecError(f"{field}: {source[:60]!r} is not a modifier's source (use ScoreMod/MaskMod(...).source): {error}")
 
 
 def check_int(field: str, value) -> None:

@@ -27,16 +27,43 @@ def test_the_source_names_the_tensors_and_dtypes_not_their_values():
     assert spec.name != other.name and "smod" in spec.name and spec.ident != other.ident
 
 
-@pytest.mark.parametrize("cuda", ["", "a; b", "{x}", "score // comment", 3])
+@pytest.mark.parametrize("cuda", ["", "a; b", "{x}", "score // comment", 3,
+                                  "score\n#define fast_exp2(x) (1.f)\n", "score # x", "score \\\n + 1", "score <% %>"])
 def test_a_bad_expression_is_refused(cuda):
+    """One expression on one line: a newline or '#' would let preprocessor lines into the kernel
+    (a #define that rewrites the softmax compiles, and computes something else)."""
     with pytest.raises(ValueError, match="score_mod"):
         ScoreMod(cuda, lambda *x: x[0])
+    with pytest.raises(ValueError, match="score_mod grad"):
+        ScoreMod("score", lambda *x: x[0], grad=cuda or "x; y")
 
 
-@pytest.mark.parametrize("name", ["score", "q_idx", "1x", "for", "a-b"])
+@pytest.mark.parametrize("name", ["score", "q_idx", "1x", "for", "a-b", "float", "grad", "NEG_INF", "__x", "_x", "mod"])
 def test_a_bad_tensor_name_is_refused(name):
+    """Names of the rule's arguments, C++ keywords and types, the kernel's own names: refused here,
+    not as an NVRTC error."""
     with pytest.raises(ValueError, match="tensor name"):
         MaskMod("true", lambda *x: True, tensors={name: torch.zeros(1)})
+
+
+@pytest.mark.parametrize("flag, cuda", [("per_batch", "b == 0"), ("per_head", "h % 2 == 0 && q_idx >= kv_idx")])
+def test_a_mask_rule_that_reads_what_it_says_it_ignores_is_refused(flag, cuda):
+    with pytest.raises(ValueError, match=f"reads {cuda[0]} while {flag}=False"):
+        MaskMod(cuda, lambda *x: True, **{flag: False})
+    assert MaskMod("q_idx >= kv_idx", lambda *x: True, **{flag: False}).source  # (kv_idx, q_idx are not b or h)
+
+
+@pytest.mark.parametrize("field, source", [
+    ("score_mod", '{"cuda":"score","tensors":[]}'),  # no grad key
+    ("score_mod", '{"cuda":"score","grad":"","tensors":[["x","float; int evil"]]}'),
+    ("score_mod", '{"cuda":"score\\n#define x","grad":"","tensors":[]}'),
+    ("mask_mod", '{"cuda":"true","per_batch":1,"per_head":true,"tensors":[]}'),
+    ("mask_mod", '{"cuda":"true","per_batch":true,"per_head":true,"tensors":["x"]}'),
+])
+def test_a_hand_written_source_is_checked_like_a_made_one(field, source):
+    """A spec field's source goes through the checks ScoreMod and MaskMod run, whoever wrote it."""
+    with pytest.raises(SpecError, match=f"{field}: .* is not a modifier's source"):
+        KernelSpec(head_dim=64, **{field: source})
 
 
 def test_a_tensor_of_an_unsupported_dtype_is_refused():
