@@ -104,9 +104,12 @@ def knob_candidates(specs: list[KernelSpec]) -> list[KernelSpec]:
 
 
 def entry_for(problem: Problem, tiles: list[dict], **extra) -> dict:
+    """A table entry for what was measured: plain fixed-length calls (the tune's inputs), so that it
+    never ranks above the table's entries for variants, rules or varlen, which it was not timed on."""
     return {
         "kind": problem.kind, "arch": problem.arch, "head_dim": problem.head_dim, "dtype": problem.dtype,
-        "causal": problem.causal, "bucket": "*" if problem.backward else problem.bucket, "tiles": tiles, **extra,
+        "causal": problem.causal, "bucket": "*" if problem.backward else problem.bucket, "varlen": False, "variant": False,
+        "tiles": tiles, **extra,
     }
 
 
@@ -192,21 +195,25 @@ def measure(problem: Problem, seqlen: int) -> float:
     return flops / bench.time_ms(fn) / 1e9
 
 
-def _compile(canonical: str) -> None:
+def _compile(canonical: str) -> int:
+    """Compile one spec into the disk cache; its spilled and stack bytes."""
     from .cache import default_cache
 
-    default_cache().get(KernelSpec.from_json(canonical))
+    resources = default_cache().get(KernelSpec.from_json(canonical)).resources
+    return resources.spills + resources.stack_frame
 
 
 def precompile(specs: list[KernelSpec], jobs: int | None = None) -> dict[KernelSpec, str]:
     """Compile every spec into the disk cache in parallel processes (spawned: this one holds a CUDA
-    context); the specs that failed, with why."""
+    context); the specs that failed or spill (never shipped: the CPU tier's rule), with why."""
     failed = {}
     with ProcessPoolExecutor(max_workers=jobs or os.cpu_count(), mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = {pool.submit(_compile, spec.canonical()): spec for spec in specs}
         for future in as_completed(futures):
             if future.exception() is not None:
                 failed[futures[future]] = str(future.exception()).splitlines()[0][:200]
+            elif future.result():
+                failed[futures[future]] = f"spills: {future.result()} bytes of local memory"
     return failed
 
 
@@ -225,7 +232,7 @@ def tune(found: list[Problem], seqlens=SEQLENS, jobs: int | None = None, progres
     def compiled(specs: list[KernelSpec]) -> list[KernelSpec]:
         failed = precompile(specs, jobs) if specs else {}  # (no process pool for a family without knobs)
         for spec, why in failed.items():
-            log(f"{spec.name}: does not compile ({why})")
+            log(f"{spec.name}: ruled out ({why})")
         return [spec for spec in specs if spec not in failed]
 
     def ranked(problem, specs) -> list[tuple]:

@@ -152,3 +152,11 @@ def test_key_is_stable():
     assert key(BASE) == key(BASE)
     assert key(BASE) == key(KernelSpec.from_json(BASE.canonical()))
     assert re.fullmatch(r"[0-9a-f]{64}", key(BASE))
+
+
+def test_a_key_major_backward_needs_a_thread_per_two_query_rows():
+    """Its query tile's statistics are loaded one thread per two rows (a static_assert in the
+    template): refused here by name, not by NVRTC."""
+    with pytest.raises(SpecError, match="block_m=128 with num_warps=1: .* block_m must be at most 64"):
+        KernelSpec(kind="bwd_kv", head_dim=16, block_m=128, block_n=16, num_warps=1, arch="sm_80")
+    assert KernelSpec(kind="bwd_kv", head_dim=16, block_m=64, block_n=16, num_warps=1, arch="sm_80").block_m == 64

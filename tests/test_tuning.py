@@ -118,6 +118,42 @@ def test_merge_replaces_entries_of_the_same_key():
     assert [e["source"] for e in merged["entries"]] == ["new", "other"]
 
 
+def test_a_tuned_entry_serves_only_the_plain_fixed_length_calls_it_was_timed_on():
+    """It would otherwise outrank the table's entries for variants and varlen (more of its fields
+    are exact), which the tune never measured."""
+    problem = tune.Problem("fwd_sm90", 64, "bf16", True, "sm_90a", "long")
+    tiles = {"block_m": 64, "block_n": 64, "num_stages": 2}
+    with tuning.override([tune.entry_for(problem, [tiles])]):
+        assert tuning.candidates("fwd_sm90", 64, "bf16", True, "sm_90a", "long")[0] == tiles
+        for flags in (dict(variant=True), dict(variant=True, softcap=True), dict(varlen=True)):
+            assert tuning.candidates("fwd_sm90", 64, "bf16", True, "sm_90a", "long", **flags)[0] != tiles, flags
+
+
+def test_a_spilling_candidate_is_ruled_out(monkeypatch):
+    """precompile's verdict: a candidate that spills is never timed (the CPU tier's rule for what ships)."""
+    from concurrent.futures import Future
+
+    class Pool:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *args):
+            return False
+
+        def submit(self, fn, canonical):
+            future = Future()
+            future.set_result(24 if '"block_m":192' in canonical else 0)
+            return future
+
+    monkeypatch.setattr(tune, "ProcessPoolExecutor", Pool)
+    specs = tune.candidates(tune.Problem("fwd_sm90", 64, "bf16", True, "sm_90a", "long"))
+    failed = tune.precompile(specs)
+    assert failed and all(spec.block_m == 192 and "spills: 24 bytes" in why for spec, why in failed.items())
+
+
 def test_cli_dry_run_lists_problems_without_a_gpu():
     result = CliRunner().invoke(main, ["tune", "--d", "64", "--mask", "causal", "--kinds", "fwd_sm90", "--dry-run"])
     assert result.exit_code == 0, result.output
@@ -230,3 +266,18 @@ def test_tune_tries_the_knobs_on_its_best_shapes(monkeypatch):
     assert entries[0]["tiles"][0] == {**tune.tiles_of(favourite), "exp2_fma": 2}
     best_shapes = sorted(shapes, key=shape_tflops, reverse=True)[: tune.TOP]
     assert {spec.replace(exp2_fma=0) for spec in timed if spec.exp2_fma} == set(best_shapes)  # and no other shape
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90a"])
+def test_every_head_dim_has_kernels_on_every_arch(arch):
+    """What README promises, without compiling: for every multiple of 8 up to 256, both dtypes and
+    masks, the tables pick a valid forward, backward (both modes) and decode kernel on each target."""
+    for head_dim in range(8, 257, 8):
+        for dtype in ("bf16", "fp16"):
+            for causal in (False, True):
+                tuning.forward_spec(head_dim, dtype, causal, arch, 4096)
+                for deterministic in (False, True):
+                    assert tuning.backward_specs(head_dim, dtype, causal, arch, deterministic)
+            for paged in (False, True):
+                for rows in (4, 64):
+                    tuning.decode_spec(head_dim, dtype, arch, paged, rows)

@@ -125,6 +125,14 @@ class KeyMajorBackward(_BackwardTiles):
                  "max_seqlen_k", *variants.ARGUMENTS)
     tune_space = {"block_m": (16, 32, 64, 128), "block_n": (64, 128), "num_warps": (4, 8), "num_stages": (2, 3)}
 
+    def check(self, spec: KernelSpec) -> None:
+        super().check(spec)
+        if spec.block_m // 2 > 32 * spec.num_warps:  # each thread loads two rows' statistics per query tile
+            raise SpecError(
+                f"block_m={spec.block_m} with num_warps={spec.num_warps}: a {spec.kind} kernel loads a query tile's "
+                f"statistics with one thread per two rows, so block_m must be at most {64 * spec.num_warps}"
+            )
+
     @staticmethod
     def grads(spec: KernelSpec) -> str:
         """The gradients the kernel writes: letters of "kvq"."""
