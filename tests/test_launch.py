@@ -378,11 +378,17 @@ def test_a_differentiated_forward_warms_its_backward_plan_once(monkeypatch, varl
 
 
 def test_a_forward_without_a_backward_kernel_warms_nothing_and_runs(monkeypatch):
-    """sm_86 has forward kernels at d = 256 and no backward: the warm-up of a differentiated forward
-    skips the plan (the backward names the reason when it runs) instead of failing the forward."""
+    """A shape the tables have no backward for (sm_86/89 at d = 248, 256 had none until 5ec9d1a):
+    the warm-up of a differentiated forward skips the plan (the backward names the reason when it
+    runs) instead of failing the forward."""
     monkeypatch.setattr(plans, "_plans", {})
     monkeypatch.setattr(plans, "_warmed", set())
     monkeypatch.setitem(plans._arch, -1, "sm_86")
+
+    def no_backward(*args):
+        raise SpecError("no bwd_v tile shape fits head_dim=256 on sm_86")
+
+    monkeypatch.setattr(plans, "_backward_kernels", no_backward)
     asked = []
     monkeypatch.setattr(kernels, "prefetch", lambda specs: asked.append(list(specs)))
     plans.warm_backward(-1, 256, torch.bfloat16, False, False, "")
