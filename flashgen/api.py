@@ -20,13 +20,14 @@ from .spec import HEAD_DIM_RULE, KernelSpec
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """cp.async moves 16 bytes: the base and every stride that is used must be multiples of 8 (and
-    the last dimension contiguous: a gradient can arrive expanded, with stride 0)."""
+    """cp.async and TMA move 16 bytes: the base and every stride that is used must be multiples of 8
+    elements, and nonzero (a TMA tensor map takes no stride 0: an expanded k, or a gradient that
+    arrives expanded, is copied), the last dimension contiguous; otherwise a copy."""
     if t.is_contiguous() and not t.data_ptr() % 16:  # the common case, one cheap test (d % 8 == 0)
         return t
     s0, s1, s2, s3 = t.stride()
     n0, n1, n2, _ = t.shape  # the stride of a dimension of size 1 is never used
-    if s3 == 1 and not t.data_ptr() % 16 and (n0 == 1 or not s0 % 8) and (n1 == 1 or not s1 % 8) and (n2 == 1 or not s2 % 8):
+    if s3 == 1 and not t.data_ptr() % 16 and all(n == 1 or (s and not s % 8) for n, s in ((n0, s0), (n1, s1), (n2, s2))):
         return t
     return t.clone(memory_format=torch.contiguous_format)
 

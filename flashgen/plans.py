@@ -93,13 +93,13 @@ class Plan:
 
 
     def slices(self, values: dict):
-        """The call in pieces whose grids fit (slices); a score rule sees each piece's batch and head
-        from 0, so a plan with one is refused."""
-        rule = next((kernel.spec.score_mod for kernel in self.kernels if kernel.spec.score_mod), "")
+        """The call in pieces whose grids fit (slices); a rule sees each piece's batch and head from
+        0 (and a mask rule's lists are the whole call's), so a plan with one is refused."""
+        rule = next((field for kernel in self.kernels for field in ("score_mod", "mask_mod") if getattr(kernel.spec, field)), "")
         if rule:
             batch, heads = values["q"].shape[:2]
             raise ValueError(
-                f"score_mod with batch={batch}, heads={heads}: a call of more than {MAX_GRID_YZ} batches or heads runs "
+                f"{rule} with batch={batch}, heads={heads}: a call of more than {MAX_GRID_YZ} batches or heads runs "
                 f"in pieces, whose batch and head indices the rule would see from 0; split the call"
             )
         return slices(values)
@@ -116,6 +116,9 @@ def slices(values: dict):
     batch, heads = values["q"].shape[:2]
     kv_heads = values["k"].shape[1]
     group = heads // kv_heads
+    if group > MAX_GRID_YZ:
+        raise ValueError(f"{heads} query heads on {kv_heads} key/value heads: at most {MAX_GRID_YZ} query heads share "
+                         f"one key/value head (a grid's limit)")
     if heads <= MAX_GRID_YZ:
         pieces = [(slice(b, b + MAX_GRID_YZ), slice(None), slice(None)) for b in range(0, batch, MAX_GRID_YZ)]
     else:

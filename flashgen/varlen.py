@@ -27,12 +27,13 @@ from .spec import HEAD_DIM_RULE
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """cp.async and TMA move 16 bytes: the base and the row and head strides must be multiples of 8
-    elements, the last dimension contiguous (a gradient can arrive expanded); otherwise a copy."""
+    elements, and nonzero (a TMA tensor map takes no stride 0: a gradient can arrive expanded), the
+    last dimension contiguous; otherwise a copy."""
     if t.is_contiguous() and not t.data_ptr() % 16:
         return t
     s0, s1, s2 = t.stride()
     n0, n1, _ = t.shape  # the stride of a dimension of size 1 is never used
-    if s2 == 1 and not t.data_ptr() % 16 and (n0 == 1 or not s0 % 8) and (n1 == 1 or not s1 % 8):
+    if s2 == 1 and not t.data_ptr() % 16 and all(n == 1 or (s and not s % 8) for n, s in ((n0, s0), (n1, s1))):
         return t
     return t.clone(memory_format=torch.contiguous_format)
 

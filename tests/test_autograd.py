@@ -7,7 +7,7 @@ rule refuses the grid slices of more than 65,535 batches or heads."""
 import pytest
 import torch
 
-from flashgen import ScoreMod, api, plans, tuning, varlen
+from flashgen import MaskMod, ScoreMod, api, plans, tuning, varlen
 from flashgen.kernels import Kernel
 
 
@@ -65,3 +65,30 @@ def test_a_score_rule_refuses_the_grid_slices():
     plan = plans.Plan((plans.Launch(Kernel(spec, b"")),))
     with pytest.raises(ValueError, match="score_mod with batch=65536, heads=1: a call of more than 65535 batches"):
         plan.run(-1, {"q": torch.empty(65536, 1, 1, 64)})
+
+
+def test_a_mask_rule_refuses_the_grid_slices_too():
+    rule = MaskMod("b == 0 || q_idx >= kv_idx", lambda b, h, q_idx, kv_idx: (b == 0) | (q_idx >= kv_idx), per_head=False)
+    spec = tuning.forward_spec(64, "bf16", False, "sm_90a", 512, variant=(("mask_mod", rule.source),))
+    plan = plans.Plan((plans.Launch(Kernel(spec, b"")),))
+    with pytest.raises(ValueError, match="mask_mod with batch=2, heads=70000: a call of more than 65535"):
+        plan.run(-1, {"q": torch.empty(2, 70000, 1, 64)})
+
+
+def test_more_than_65535_query_heads_on_one_kv_head_is_a_named_error():
+    values = {"q": torch.empty(1, 70000, 1, 8), "k": torch.empty(1, 1, 1, 8)}
+    with pytest.raises(ValueError, match="70000 query heads on 1 key/value heads: at most 65535"):
+        list(plans.slices(values))
+
+
+def test_an_expanded_input_is_copied_for_the_kernels():
+    """A stride of 0 (an expanded k for MQA, or a gradient that arrives expanded over heads) never
+    reaches a TMA tensor map, which takes none: such a tensor is copied; others are read in place."""
+    k = torch.zeros(2, 1, 64, 64).expand(2, 8, 64, 64)
+    assert api._aligned(k) is not k and api._aligned(k).stride() == (8 * 64 * 64, 64 * 64, 64, 1)
+    d_o = torch.zeros(2, 64, 64)[:, None].expand(2, 8, 64, 64)  # (B, H, T, d), stride 0 over heads
+    assert api._aligned(d_o).stride()[1] == 64 * 64
+    packed = torch.zeros(100, 1, 64).expand(100, 4, 64)
+    assert varlen._aligned(packed).stride() == (4 * 64, 64, 1)
+    view = torch.zeros(2, 64, 8, 64).transpose(1, 2)  # (B, T, H, d) seen as (B, H, T, d): in place
+    assert api._aligned(view) is view

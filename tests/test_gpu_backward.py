@@ -324,3 +324,22 @@ def test_split_hopper_backward_tile_variants(head_dim, block_m, num_stages, dete
         for causal in (False, True):
             q, k, v = make_qkv(2, 4, 2, 333, 1000, head_dim, torch.bfloat16, seed=head_dim + block_m)
             check_gradients(q, k, v, causal, deterministic=deterministic)
+
+
+def test_expanded_inputs_and_an_expanded_gradient():
+    """A stride of 0 reaches no TMA tensor map: an MQA k and v given expanded over the query heads
+    (Tq > 64: the Hopper forward on sm_90a), and a loss that sums over heads (dO arrives expanded),
+    both by the numerics rule against the reference on the same tensors."""
+    q, k, v = make_qkv(2, 4, 1, 200, 300, 64, torch.bfloat16)
+    k, v = (t.expand(2, 4, 300, 64) for t in (k, v))
+
+    def loss(fn):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        out.sum(dim=1).float().square().sum().backward()  # out.sum(dim=1) in its dtype: dO arrives expanded over heads
+        return (out.detach(), *(t.grad for t in leaves))
+
+    ours = loss(lambda q, k, v: flashgen.attention(q, k, v, causal=True))
+    exact = loss(lambda q, k, v: naive_attention(q, k, v, causal=True)[0])
+    low = loss(lambda q, k, v: naive_attention(q, k, v, causal=True, upcast=False)[0])
+    check_by_the_numerics_rule(ours, exact, low, torch.bfloat16)
