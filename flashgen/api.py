@@ -19,17 +19,21 @@ from .plans import DTYPES
 from .spec import HEAD_DIM_RULE, KernelSpec
 
 
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """cp.async and TMA move 16 bytes: the base and every stride that is used must be multiples of 8
-    elements, and nonzero (a TMA tensor map takes no stride 0: an expanded k, or a gradient that
-    arrives expanded, is copied), the last dimension contiguous; otherwise a copy."""
-    if t.is_contiguous() and not t.data_ptr() % 16:  # the common case, one cheap test (d % 8 == 0)
-        return t
-    s0, s1, s2, s3 = t.stride()
-    n0, n1, n2, _ = t.shape  # the stride of a dimension of size 1 is never used
-    if s3 == 1 and not t.data_ptr() % 16 and all(n == 1 or (s and not s % 8) for n, s in ((n0, s0), (n1, s1), (n2, s2))):
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
+def is_aligned(t: torch.Tensor) -> bool:
+    """What the kernels read in place: cp.async and TMA move 16 bytes, so the base and every stride
+    that is stepped over are multiples of 8 elements, and nonzero (a TMA tensor map takes no stride
+    0: an expanded k, or a gradient that arrives expanded), the last dimension contiguous."""
+    if t.data_ptr() % 16:
+        return False
+    if t.is_contiguous():  # the common case, one cheap test (d % 8 == 0)
+        return True
+    *lead, last = t.stride()
+    return last == 1 and all(n == 1 or (s and not s % 8) for n, s in zip(t.shape, lead))  # a size-1 stride is never used
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """t, or a contiguous copy where the kernels cannot read it in place (is_aligned)."""
+    return t if is_aligned(t) else t.clone(memory_format=torch.contiguous_format)
 
 
 # A call's variant travels as these arguments of the ops, after `deterministic`; PLAIN_ARGS are a
@@ -67,7 +71,7 @@ def forward_impl(q, k, v, causal: bool, scale: float, kernel: str, need_lse: boo
     if k.shape[2] == 0:  # no keys: every row sees nothing
         return o.zero_(), None if lse is None else lse.fill_(-math.inf)
     device = q.get_device()
-    values = {"q": _aligned(q), "k": _aligned(k), "v": _aligned(v), "o": o, "lse": lse, "scale": scale}
+    values = {"q": aligned(q), "k": aligned(k), "v": aligned(v), "o": o, "lse": lse, "scale": scale}
     fields = ()
     if variant and variant != PLAIN_ARGS:
         fields, more = _variant_values(q, k, causal, *variant)
@@ -86,7 +90,7 @@ def backward_impl(d_o, q, k, v, o, lse, d_lse, causal: bool, scale: float, deter
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     device = q.get_device()
-    values = {name: _aligned(t) for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("d_o", d_o))}
+    values = {name: aligned(t) for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("d_o", d_o))}
     values.update(lse=lse.contiguous(), d_lse=None if d_lse is None else d_lse.contiguous(), dq=dq, dk=dk, dv=dv, scale=scale)
     fields = ()
     if variant and variant != PLAIN_ARGS:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from . import plans, variants
+from .api import aligned, is_aligned
 from .api import softmax_scale as _scale
 from .families.decode import MAX_SPLITS, PAGE_SIZES, fast_divisor
 from .plans import DTYPES, MAX_GRID_YZ
@@ -22,22 +23,6 @@ from .spec import HEAD_DIM_RULE
 
 MAX_KEYS = 2**31 - 1  # positions are int32 in the kernels
 NO_STRIDES = (0, 0, 0, 0)  # of the new keys and values when there are none
-
-
-def _is_aligned(t: torch.Tensor) -> bool:
-    """16-byte rows for cp.async: the base and every leading stride that is stepped over are
-    multiples of 16 bytes (8 elements), the last dimension contiguous (t is 4-D)."""
-    if t.data_ptr() % 16:
-        return False
-    if t.is_contiguous():  # the common case, one cheap test (head_dim % 8 == 0)
-        return True
-    s0, s1, s2, s3 = t.stride()
-    n0, n1, n2, _ = t.shape  # the stride of a dimension of size 1 is never used
-    return s3 == 1 and (n0 == 1 or not s0 % 8) and (n1 == 1 or not s1 % 8) and (n2 == 1 or not s2 % 8)
-
-
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    return t if _is_aligned(t) else t.clone(memory_format=torch.contiguous_format)
 
 
 def _tensor(name: str, t, dims: int, layout: str) -> None:
@@ -75,7 +60,7 @@ def _well_formed(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_spli
     if (dtype not in DTYPES or k_cache.dtype != dtype or v_cache.dtype != dtype or cache_dim != head_dim or not head_dim
             or head_dim % 8 or head_dim > 256 or not kv_heads or heads % kv_heads or batch > MAX_GRID_YZ or kv_heads > MAX_GRID_YZ
             or not q.is_cuda or k_cache.get_device() != device or v_cache.get_device() != device or q.stride()[3] != 1
-            or not (_is_aligned(k_cache) and _is_aligned(v_cache))):
+            or not (is_aligned(k_cache) and is_aligned(v_cache))):
         return None
     seqlen_new = 0
     if k is not None or v is not None:
@@ -251,7 +236,7 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"{name}'s last dimension must be contiguous (stride 1), got stride {t.stride(-1)}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not _is_aligned(t):
+        if not is_aligned(t):
             raise ValueError(
                 f"{name} must have 16-byte aligned rows (its address and strides multiples of 16 bytes): it is "
                 f"written in place, so flashgen cannot copy it; got strides {t.stride()}"
@@ -395,10 +380,10 @@ def launch_values(q, k_cache, v_cache, k, v, cache_seqlens, block_table, capacit
     once here, and the variants' values."""
     batch, seqlen_q, heads, _ = q.shape
     if k is not None:
-        k, v = _aligned(k), _aligned(v)
+        k, v = aligned(k), aligned(v)
     lengths = isinstance(cache_seqlens, torch.Tensor)
     values = {
-        "q": _aligned(q), "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v,
+        "q": aligned(q), "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v,
         "k_strides": NO_STRIDES if k is None else k.stride(), "v_strides": NO_STRIDES if v is None else v.stride(),
         "cache_seqlens": cache_seqlens if lengths else None, "cache_seqlens_stride": cache_seqlens.stride(0) if lengths else 0,
         "cache_len": capacity if cache_seqlens is None or lengths else cache_seqlens, "capacity": capacity,
@@ -469,9 +454,9 @@ def _states(o_a, lse_a, o_b, lse_b):
         o_a, o_b = o_a.reshape(*shape3, head_dim), o_b.reshape(*shape3, head_dim)
         lse_a, lse_b = lse_a.reshape(o_a.shape[:-1]), lse_b.reshape(o_a.shape[:-1])
     # Both states are read as one (2, ...) tensor whose first stride is the distance between them.
-    if o_a.stride() != o_b.stride() or not (_is_aligned(o_a) and _is_aligned(o_b)):
+    if o_a.stride() != o_b.stride() or not (is_aligned(o_a) and is_aligned(o_b)):
         o_a, o_b = o_a.contiguous(), o_b.contiguous()
-        if not (_is_aligned(o_a) and _is_aligned(o_b)):
+        if not (is_aligned(o_a) and is_aligned(o_b)):
             o_a, o_b = o_a.clone(), o_b.clone()
     if lse_a.stride() != lse_b.stride():
         lse_a, lse_b = lse_a.contiguous(), lse_b.contiguous()

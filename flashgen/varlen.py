@@ -19,23 +19,10 @@ import math
 import torch
 
 from . import plans, variants
-from .api import _variant_values, autocast_inputs, side_tensors
+from .api import _variant_values, aligned, autocast_inputs, is_aligned, side_tensors
 from .families.decode import PAGE_SIZES
 from .plans import DTYPES, MAX_GRID_YZ
 from .spec import HEAD_DIM_RULE
-
-
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """cp.async and TMA move 16 bytes: the base and the row and head strides must be multiples of 8
-    elements, and nonzero (a TMA tensor map takes no stride 0: a gradient can arrive expanded), the
-    last dimension contiguous; otherwise a copy."""
-    if t.is_contiguous() and not t.data_ptr() % 16:
-        return t
-    s0, s1, s2 = t.stride()
-    n0, n1, _ = t.shape  # the stride of a dimension of size 1 is never used
-    if s2 == 1 and not t.data_ptr() % 16 and all(n == 1 or (s and not s % 8) for n, s in ((n0, s0), (n1, s1))):
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
 
 
 def forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, causal: bool, scale: float, kernel: str,
@@ -59,7 +46,7 @@ def forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, causal:
         plans.warm_backward(device, head_dim, q.dtype, causal, backward, kernel, variant, varlen=True)
     plan = plans.forward_varlen(device, head_dim, q.dtype, causal, max_seqlen_q, kernel, variant)
     plan.run(device, {
-        "q": _aligned(q), "k": _aligned(k), "v": _aligned(v), "o": o, "lse": lse, "scale": scale,
+        "q": aligned(q), "k": aligned(k), "v": aligned(v), "o": o, "lse": lse, "scale": scale,
         "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q, **values,
     })
     return o, lse
@@ -75,7 +62,7 @@ def backward_impl(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, max_s
     device = q.get_device()
     variant, variant_values = _variant_values(q, k, causal, window_left, window_right, softcap, alibi_slopes)
     plan = plans.backward_varlen(device, q.shape[2], q.dtype, causal, deterministic, kernel, variant)
-    values = {name: _aligned(t) for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("d_o", d_o))}
+    values = {name: aligned(t) for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("d_o", d_o))}
     values.update(
         lse=lse.contiguous(), d_lse=None if d_lse is None else d_lse.contiguous(), dq=dq, dk=dk, dv=dv, scale=scale,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
@@ -290,10 +277,8 @@ def _check_block_table(block_table, batch: int, page_size: int, kernel: bool) ->
 def _check_paged(q, k, v) -> None:
     """What the paged form adds: the caches are read in place (16-byte aligned rows), and there is
     no backward through them (FlashAttention has none either)."""
-    from .serving import _is_aligned
-
     for name, t in (("k", k), ("v", v)):
-        if not _is_aligned(t):
+        if not is_aligned(t):
             raise ValueError(f"{name} (a paged cache, read in place) must have 16-byte aligned rows: its address and strides "
                              f"multiples of 16 bytes; got strides {t.stride()}")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):

@@ -125,18 +125,18 @@ def test_default_and_explicit_scale():
 
 
 def test_alignment_keeps_usable_views_and_copies_the_rest():
-    from flashgen.api import _aligned
+    from flashgen.api import aligned
 
     x = torch.randn(2, 3, 10, 64)
-    assert _aligned(x) is x and _aligned(x.transpose(1, 2)).data_ptr() == x.data_ptr()
+    assert aligned(x) is x and aligned(x.transpose(1, 2)).data_ptr() == x.data_ptr()
     wide = torch.randn(2, 3, 10, 72)[..., :64]  # row stride 72: usable as is
-    assert _aligned(wide) is wide
+    assert aligned(wide) is wide
     odd = torch.randn(2, 3, 10, 68)[..., :64]  # row stride 68: not a multiple of 8 elements
-    fixed = _aligned(odd)
+    fixed = aligned(odd)
     assert fixed is not odd and fixed.is_contiguous() and torch.equal(fixed, odd)
     shifted = torch.randn(2 * 3 * 10 * 64 + 3)[3:].view(2, 3, 10, 64)  # base not 16-byte aligned
-    assert _aligned(shifted).data_ptr() % 16 == 0 and torch.equal(_aligned(shifted), shifted)
+    assert aligned(shifted).data_ptr() % 16 == 0 and torch.equal(aligned(shifted), shifted)
     single = torch.randn(1, 1, 5, 64).as_strided((1, 1, 5, 64), (7, 3, 64, 1))  # size-1 dims: any stride
-    assert _aligned(single) is single
+    assert aligned(single) is single
     broadcast = torch.ones(1, 1, 4, 1).expand(1, 2, 4, 64)  # last-dim stride 0, as a gradient can be
-    assert _aligned(broadcast).stride(-1) == 1 and torch.equal(_aligned(broadcast), broadcast)
+    assert aligned(broadcast).stride(-1) == 1 and torch.equal(aligned(broadcast), broadcast)

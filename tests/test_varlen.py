@@ -456,15 +456,15 @@ def test_bad_softmax_scale_is_named():
 
 
 def test_alignment_keeps_usable_packed_views_and_copies_the_rest():
-    from flashgen.varlen import _aligned
+    from flashgen.varlen import aligned
 
     qkv = torch.zeros(10, 3, 4, 64)
     view = qkv[:, 1]  # row stride 3 * 4 * 64: usable as is
-    assert _aligned(view) is view
+    assert aligned(view) is view
     odd = torch.zeros(10, 4, 68)[..., :64]
-    assert _aligned(odd) is not odd and _aligned(odd).is_contiguous()
+    assert aligned(odd) is not odd and aligned(odd).is_contiguous()
     broadcast = torch.ones(10, 1, 1).expand(10, 4, 64)
-    assert _aligned(broadcast).stride(-1) == 1
+    assert aligned(broadcast).stride(-1) == 1
 
 
 # ---- the variants (window_size, softcap, alibi_slopes) ------------------------------------------------
