@@ -110,15 +110,16 @@ def _timer(attention, q, k, v, causal, mode):
         return lambda: attention(q, k, v, causal=causal)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     d_o = torch.randn_like(q)
-
-    def fresh():  # no gradient accumulation timed with the backward
-        for t in leaves:
-            t.grad = None
-
     if mode == "bwd":
         out = attention(*leaves, causal=causal)
-        return lambda: fresh() or out.backward(d_o, retain_graph=True)
-    return lambda: fresh() or attention(*leaves, causal=causal).backward(d_o)
+        return lambda: _fresh(leaves) or out.backward(d_o, retain_graph=True)
+    return lambda: _fresh(leaves) or attention(*leaves, causal=causal).backward(d_o)
+
+
+def _fresh(leaves) -> None:
+    """Clear the leaves' gradients: a timed backward must not include accumulating into them."""
+    for t in leaves:
+        t.grad = None
 
 
 def table(mode="fwd", head_dims=HEAD_DIMS, seqlens=SEQLENS, causals=(False, True)):
@@ -413,12 +414,7 @@ def _time_modes(forward, leaves, flops) -> dict:
         out = forward()
         d_o = torch.randn_like(out)
 
-        def backward():
-            for t in leaves:
-                t.grad = None  # no gradient accumulation timed with the backward
-            out.backward(d_o, retain_graph=True)
-
-        result["bwd"] = MODES["bwd"] * flops / time_ms(backward) / 1e9
+        result["bwd"] = MODES["bwd"] * flops / time_ms(lambda: _fresh(leaves) or out.backward(d_o, retain_graph=True)) / 1e9
         for t in leaves:
             t.requires_grad_(False)
             t.grad = None
