@@ -304,7 +304,8 @@ def attention(
 
     Variants, with FlashAttention's names and semantics (flash_attn_func's), on the scaled scores
     s of query i and key j, with i' = i + Tk - Tq: window_size=(left, right) keeps keys
-    i' - left <= j <= i' + right (-1 = no bound on that side; causal sets right to 0), and key
+    i' - left <= j <= i' + right (-1, or a side of at least Tk, = no bound on that side; causal
+    sets right to 0), and key
     tiles outside the window are never visited; softcap > 0 makes the scores
     softcap * tanh(s / softcap); alibi_slopes, fp32 of shape (H,) or (B, H), adds
     -slope * |i' - j|. They combine, and all are differentiable (no gradient for the slopes).
@@ -318,9 +319,10 @@ def attention(
                 alibi_slopes=alibi_slopes, score_mod=score_mod, mask_mod=mask_mod)
 
 
-def call_variant(q, causal, window_size, softcap, alibi_slopes, score_mod, mask_mod) -> tuple:
-    """A call's variant arguments, checked, as the ops take them (VARIANT_ARGS), or () when plain."""
-    chosen = variants.make(causal, window_size, softcap, alibi_slopes, q.shape[0], q.shape[1], q.device)
+def call_variant(q, k, causal, window_size, softcap, alibi_slopes, score_mod, mask_mod) -> tuple:
+    """A call's variant arguments, checked, as the ops take them (VARIANT_ARGS), or () when plain.
+    Window sides of at least Tk keys are unbounded (flash_attn_func's rule)."""
+    chosen = variants.make(causal, window_size, softcap, alibi_slopes, q.shape[0], q.shape[1], q.device, keys=k.shape[-2])
     rules = []
     for name, rule, kind in (("score_mod", score_mod, modifiers.ScoreMod), ("mask_mod", mask_mod, modifiers.MaskMod)):
         if rule is not None and not isinstance(rule, kind):
@@ -344,7 +346,7 @@ def call(q, k, v, causal, scale, return_lse, deterministic, spec: KernelSpec | N
     check_inputs(q, k, v)
     variant = ()
     if alibi_slopes is not None or softcap or window_size != (-1, -1) or score_mod is not None or mask_mod is not None:
-        variant = call_variant(q, causal, window_size, softcap, alibi_slopes, score_mod, mask_mod)  # () when plain
+        variant = call_variant(q, k, causal, window_size, softcap, alibi_slopes, score_mod, mask_mod)  # () when plain
     kernel = ""
     if spec is not None:
         if q.shape[-1] != spec.head_dim or DTYPES[q.dtype] != spec.dtype:

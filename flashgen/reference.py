@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .variants import UNBOUNDED  # a window side without bound, as the kernel takes it
+from .variants import UNBOUNDED, clip_window  # a window side without bound, as the kernel takes it
 
 
 def visible(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
@@ -95,9 +95,16 @@ def naive_attention(q, k, v, causal=False, scale=None, upcast=True, *, window_si
     scores s: softcap > 0 makes them softcap * tanh(s / softcap); alibi_slopes (heads,) or
     (batch, heads), fp32, adds -slope * |i + seqlen_k - seqlen_q - j|; score_mod(s, b, h, q_idx,
     kv_idx) returns new scores (FlexAttention's convention: plain indices, tensors that broadcast);
-    then the masks: causal, window_size=(left, right) (visible_in_window), and mask_mod(b, h, q_idx,
-    kv_idx) (True keeps).
+    then the masks: causal, window_size=(left, right) (visible_in_window; as in flash_attn_func, a
+    side of at least seqlen_k keys is unbounded), and mask_mod(b, h, q_idx, kv_idx) (True keeps).
     """
+    return _attention(q, k, v, causal, scale, upcast, clip_window(window_size, k.shape[-2]), softcap, alibi_slopes,
+                      score_mod, mask_mod)
+
+
+def _attention(q, k, v, causal, scale, upcast, window_size, softcap=0.0, alibi_slopes=None, score_mod=None,
+               mask_mod=None):
+    """naive_attention with the window as given (the serving oracles clip it at their own seqlen_k)."""
     dtype = q.dtype
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     k, v = _expand_kv(q, k, v)
@@ -282,6 +289,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     check_no_dropout(dropout_p)
     check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kernel=False, block_table=block_table)
     variants.make(causal, window_size, softcap, alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device)
+    window_size = clip_window(window_size, max_seqlen_k)  # FlashAttention's rule at max_seqlen_k
     starts_q = check_cu_seqlens(cu_seqlens_q, q.shape[0], max_seqlen_q, "cu_seqlens_q")
     total_k = k.shape[0] if block_table is None else int(cu_seqlens_k[-1])  # paged: the offsets give lengths only
     starts_k = check_cu_seqlens(cu_seqlens_k, total_k, max_seqlen_k, "cu_seqlens_k")
@@ -293,8 +301,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         else:
             positions = torch.arange(min(max(k1 - k0, 0), block_table.shape[1] * k.shape[1]), device=k.device)
             seq_k, seq_v = (_cache_rows(t, seq, positions, block_table).transpose(0, 1)[None] for t in (k, v))
-        o, lse = naive_attention(seq_q, seq_k, seq_v, causal=causal, scale=softmax_scale, upcast=upcast,
-                                 window_size=window_size, softcap=softcap, alibi_slopes=_slopes_of(alibi_slopes, seq))
+        o, lse = _attention(seq_q, seq_k, seq_v, causal, softmax_scale, upcast, window_size, softcap,
+                            _slopes_of(alibi_slopes, seq))
         outs.append(o[0].transpose(0, 1))
         lses.append(lse[0])
     out, lse = torch.cat(outs), torch.cat(lses, dim=1)
@@ -349,8 +357,7 @@ def _attend(q, keys, values, causal, scale, upcast, splits, window_size=(-1, -1)
     q, keys, values = (t.transpose(0, 1)[None] for t in (q, keys, values))  # (1, heads, rows, d)
     n = keys.shape[2]
     if splits <= 1:
-        o, lse = naive_attention(q, keys, values, causal=causal, scale=scale, upcast=upcast, window_size=window_size,
-                                 softcap=softcap, alibi_slopes=alibi_slopes)
+        o, lse = _attention(q, keys, values, causal, scale, upcast, window_size, softcap, alibi_slopes)
         return o[0].transpose(0, 1), lse[0]
     dtype = q.dtype
     k, v = _expand_kv(q, keys, values)

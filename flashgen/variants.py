@@ -69,7 +69,7 @@ def make(causal: bool, window_size, softcap, alibi_slopes, batch: int, heads: in
             f"window_size={window_size!r}: must be (left, right), two ints >= -1 (-1 = unbounded) below {UNBOUNDED}"
         )
     if keys is not None:
-        left, right = (-1 if side >= keys else side for side in (left, right))
+        left, right = clip_window((left, right), keys)
     if causal:
         right = 0
         if left == -1:
@@ -80,6 +80,13 @@ def make(causal: bool, window_size, softcap, alibi_slopes, batch: int, heads: in
     if alibi_slopes is not None:
         check_slopes(alibi_slopes, batch, heads, device)
     return Variant(left, right, softcap, alibi_slopes is not None)
+
+
+def clip_window(window_size, keys: int) -> tuple[int, int]:
+    """FlashAttention's rule for its seqlen_k (flash_attn_func: the keys' length; varlen:
+    max_seqlen_k; kvcache: the cache's capacity): a window side of at least that many keys is
+    unbounded (-1). It changes rows only where a sequence has more queries than keys plus one."""
+    return tuple(-1 if side >= keys else side for side in window_size)
 
 
 def check_slopes(slopes, batch: int, heads: int, device) -> None:

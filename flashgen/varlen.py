@@ -286,12 +286,14 @@ def _check_paged(q, k, v) -> None:
                          "torch.no_grad(), or with tensors that do not require grad")
 
 
-def check_variant(q, cu_seqlens_q, causal, window_size, softcap, alibi_slopes) -> variants.Variant:
+def check_variant(q, cu_seqlens_q, max_seqlen_k, causal, window_size, softcap, alibi_slopes) -> variants.Variant:
     """The call's variants, checked (flashgen.variants): slopes per query head, or per sequence
-    (cu_seqlens_q's batch) and query head."""
+    (cu_seqlens_q's batch) and query head; window sides of at least max_seqlen_k unbounded
+    (flash_attn_varlen_func's rule)."""
     if alibi_slopes is None and not softcap and window_size == (-1, -1):  # one cheap test for plain calls
         return variants.PLAIN
-    return variants.make(causal, window_size, softcap, alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device)
+    return variants.make(causal, window_size, softcap, alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device,
+                         keys=max_seqlen_k)
 
 
 def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, window_size=(-1, -1),
@@ -299,9 +301,9 @@ def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     """Raise a clear error for anything the kernels cannot take (nothing that needs a sync);
     returns the call's variants."""
     if block_table is None and _well_formed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-        return check_variant(q, cu_seqlens_q, causal, window_size, softcap, alibi_slopes)
+        return check_variant(q, cu_seqlens_q, max_seqlen_k, causal, window_size, softcap, alibi_slopes)
     check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=block_table)
-    variant = check_variant(q, cu_seqlens_q, causal, window_size, softcap, alibi_slopes)
+    variant = check_variant(q, cu_seqlens_q, max_seqlen_k, causal, window_size, softcap, alibi_slopes)
     tensors = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
     if block_table is not None:
         tensors["block_table"] = block_table

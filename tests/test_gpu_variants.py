@@ -107,6 +107,15 @@ def test_a_row_whose_window_holds_no_key_is_zero_with_lse_minus_inf():
     assert (out.float() - ref.float()).abs().max().item() < 2e-2
 
 
+def test_window_sides_of_at_least_seqlen_k_are_unbounded():
+    """flash_attn_func's rule, with more queries than keys plus one (where it shows): right = Tk is
+    no bound, so the first rows see keys; the kernel and the oracle agree, gradients too."""
+    q, k, v = make_qkv(1, 2, 2, 150, 40, 64, torch.bfloat16)
+    check(q, k, v, False, dict(window_size=(20, 40)))
+    assert naive_attention(q, k, v, window_size=(20, 39))[1].isinf().any()  # right = 39 bounds: the first rows are empty
+    assert naive_attention(q, k, v, window_size=(20, 40))[1].isfinite().all()  # right = 40 does not
+
+
 def test_softcap_lse_is_of_the_capped_scores():
     q, k, v = make_qkv(1, 2, 2, 200, 200, 64, torch.bfloat16)
     q = q * 4  # large scores, where the cap matters

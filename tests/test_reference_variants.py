@@ -98,3 +98,43 @@ def test_no_variant_is_the_plain_computation():
     q, k, v = inputs()
     plain = naive_attention(q, k, v, causal=True)
     assert torch.equal(plain[0], naive_attention(q, k, v, causal=True, window_size=(-1, -1), softcap=0.0)[0])
+
+
+def test_window_sides_of_at_least_seqlen_k_are_unbounded():
+    """flash_attn_func's rule: a side of at least seqlen_k keys is -1. With more queries than keys
+    plus one, an unclipped right side would hide every key from the first rows."""
+    q, k, v = inputs(seqlen_q=11, seqlen_k=4)
+    scale = 8**-0.5
+    got = naive_attention(q, k, v, window_size=(2, 4))
+    close(got, by_hand(q, k, v, scale, window=(2, -1)))
+    assert by_hand(q, k, v, scale, window=(2, 4))[1].isinf().any() and not got[1].isinf().any()  # the rule shows
+    close(naive_attention(q, k, v, window_size=(4, 3)), by_hand(q, k, v, scale, window=(-1, 3)))
+
+
+def test_the_api_runs_a_window_of_only_such_sides_as_no_window():
+    """attention() clips at Tk (flash_attn_func), attention_varlen at max_seqlen_k
+    (flash_attn_varlen_func): a window of only such sides is no variant, the plain kernel runs."""
+    from flashgen import variants, varlen
+    from flashgen.api import call_variant
+
+    q, k = torch.zeros(1, 2, 11, 8), torch.zeros(1, 2, 4, 8)
+    assert call_variant(q, k, False, (4, 9), 0.0, None, None, None) == ()
+    assert call_variant(q, k, False, (3, 9), 0.0, None, None, None)[:2] == (3, -1)
+    packed, cu = torch.zeros(11, 2, 8), torch.tensor([0, 11], dtype=torch.int32)
+    assert varlen.check_variant(packed, cu, 10, False, (-1, 10), 0.0, None) == variants.PLAIN
+    assert varlen.check_variant(packed, cu, 10, False, (-1, 9), 0.0, None).window_right == 9
+
+
+def test_the_varlen_oracle_clips_at_max_seqlen_k_not_each_sequence():
+    """FlashAttention clips varlen windows at max_seqlen_k: a sequence with fewer keys keeps a right
+    side between its own length and max_seqlen_k, so its first rows see no key."""
+    from flashgen import reference
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(7, 2, 8, generator=gen), torch.randn(12, 2, 8, generator=gen), torch.randn(12, 2, 8, generator=gen)
+    cu_q, cu_k = torch.tensor([0, 6, 7], dtype=torch.int32), torch.tensor([0, 2, 12], dtype=torch.int32)
+    out, lse = reference.attention_varlen(q, k, v, cu_q, cu_k, 6, 10, window_size=(-1, 3), return_lse=True)
+    first = [t[None].transpose(1, 2) for t in (q[:6], k[:2], v[:2])]
+    want_o, want_lse = by_hand(*first, 8**-0.5, window=(-1, 3))
+    close((out[:6].transpose(0, 1)[None], lse[:, :6][None]), (want_o, want_lse))
+    assert want_lse.isinf().any()  # unclipped at the sequence's own 2 keys
