@@ -11,12 +11,15 @@ reads tensors, each tensor's identity and PyTorch's version counter (which every
 through PyTorch moves), so a changed tensor makes new lists; a CUDA graph captured with such a rule
 makes its own at each replay, from what the tensors hold then. (A write that bypasses
 PyTorch, from a kernel of one's own, is not seen: call flashgen.blockmask.clear() after one.)
-Kept lists are copies in memory of their own (workspace.keep), never a CUDA-graph pool's, and
-lists made during a capture are never kept (they hold their values only when the graph runs).
+Kept lists are copies in memory of their own (workspace.keep), never a CUDA-graph pool's; lists
+made during a capture are never kept (they hold their values only when the graph runs), and kept
+lists a capture reads are never dropped. A rule tensor's death drops its lists; inference tensors
+(no version counter) get new lists each call.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -26,8 +29,22 @@ import torch
 from . import kernels, runtime, workspace
 from .spec import KernelSpec
 
-_kept: OrderedDict = OrderedDict()  # key -> (lists, weak references to the rule's tensors)
-KEEP = 64
+KEEP = 64  # lists kept across calls, the least recently used dropped first
+_kept: OrderedDict = OrderedDict()  # key -> _Kept
+_captured: dict = {}  # key -> _Kept: lists a captured CUDA graph reads, kept while the process lives
+_lock = threading.RLock()  # (reentrant: a weak reference's callback may run inside it, from the GC)
+
+
+@dataclass
+class _Kept:
+    lists: "Lists"
+    streams: set  # the streams that have read the lists (their memory waits for each before reuse)
+    refs: list  # weak references to the rule's tensors: a tensor's death drops the entry
+
+
+def _forget(key) -> None:
+    with _lock:
+        _kept.pop(key, None)
 
 
 @dataclass(frozen=True)
@@ -65,26 +82,46 @@ class BlockMasks:
         shape = (block_m, block_n, key_major)
         lists = self._lists.get(shape)
         if lists is None:
-            tensors = self.rule.arguments()
-            capturing = self.device.type == "cuda" and bool(runtime.capture_of(runtime._current_stream(self.device.index)))
-            # a graph captured with a tensor rule makes its lists at each replay, from the tensors then
-            key = None if tensors and capturing else (
-                self.rule.source, self.causal, self.window, self.batches, self.heads, self.seqlen_q, self.seqlen_k,
-                self.device, shape, tuple((id(t), t._version) for t in tensors))
-            kept = _kept.get(key) if key else None
+            lists = self._lists[shape] = self._kept_or_made(shape)
+        return lists
+
+    def _kept_or_made(self, shape) -> Lists:
+        tensors = list(self.rule.tensors.values())  # the caller's tensors (arguments() may copy them)
+        stream = runtime._current_stream(self.device.index) if self.device.type == "cuda" else 0
+        capturing = bool(stream and runtime.capture_of(stream))
+        # a graph captured with a tensor rule makes its lists at each replay, from the tensors then;
+        # an inference tensor has no version counter to tell a write, so its lists are made each call
+        if tensors and (capturing or any(t.is_inference() for t in tensors)):
+            return self._make(*shape)
+        key = (self.rule.source, self.causal, self.window, self.batches, self.heads, self.seqlen_q, self.seqlen_k,
+               self.device, shape, tuple((id(t), t.data_ptr(), t._version) for t in tensors))
+        with _lock:
+            kept = _kept.get(key)
             # an id names the same tensor only while it lives: the weak references say it does
-            if kept is not None and all(ref() is t for ref, t in zip(kept[1], tensors)):
-                lists = kept[0]
+            if kept is not None and not all(ref() is t for ref, t in zip(kept.refs, tensors)):
+                kept = None
+            if kept is not None:
                 _kept.move_to_end(key)
-            else:
-                lists = self._make(block_m, block_n, key_major)
-                if key and not capturing:  # (lists made in a capture hold their values only when the graph runs)
-                    lists = Lists(*(workspace.keep(t) for t in (lists.count, lists.index, lists.state)), lists.batch_stride,
-                                  lists.head_stride)
-                    _kept[key] = (lists, tuple(weakref.ref(t) for t in tensors))
-                    while len(_kept) > KEEP:
-                        _kept.popitem(last=False)
-            self._lists[shape] = lists
+                if capturing:  # the graph reads these lists at every replay: never let them go
+                    _captured[key] = kept
+        if kept is not None:
+            lists, streams = kept.lists, kept.streams
+            if stream not in streams:  # memory read on another stream waits for it before reuse
+                for t in (lists.count, lists.index, lists.state):
+                    t.record_stream(torch.cuda.ExternalStream(stream, device=self.device))
+                streams.add(stream)
+            return lists
+        lists = self._make(*shape)
+        if capturing:  # (lists made in a capture hold their values only when the graph runs)
+            return lists
+        lists = Lists(*(workspace.keep(t) for t in (lists.count, lists.index, lists.state)), lists.batch_stride,
+                      lists.head_stride)
+        if self.device.type == "cuda":  # the copies are done before a call on any other stream reads them
+            torch.cuda.current_stream(self.device).synchronize()
+        with _lock:
+            _kept[key] = _Kept(lists, {stream}, [weakref.ref(t, lambda _, key=key: _forget(key)) for t in tensors])
+            while len(_kept) > KEEP:
+                _kept.popitem(last=False)
         return lists
 
     def states(self, block_m: int, block_n: int) -> torch.Tensor:
@@ -110,4 +147,7 @@ class BlockMasks:
 
 
 def clear() -> None:
-    _kept.clear()
+    """Forget the kept lists (after a write to a rule's tensors that PyTorch does not see). Lists a
+    captured graph reads stay: only rules without tensors are kept for graphs, and theirs never change."""
+    with _lock:
+        _kept.clear()

@@ -88,6 +88,7 @@ class _Modifier:
 
     def __init__(self, cuda: str, python: Callable, tensors: dict | None):
         self.tensors = dict(tensors or {})
+        self._copies: dict = {}  # name -> ((address, version), contiguous copy) of a non-contiguous tensor
         _check(self.kind, cuda, self.tensors)
         self.cuda, self.python = cuda, python
 
@@ -100,8 +101,22 @@ class _Modifier:
         return json.dumps({"cuda": self.cuda, **more, "tensors": self.declarations}, sort_keys=True, separators=(",", ":"))
 
     def arguments(self) -> list:
-        """The tensors as the kernel takes them: contiguous, in declaration order."""
-        return [t.contiguous() for t in self.tensors.values()]
+        """The tensors as the kernel takes them: contiguous, in declaration order. A non-contiguous
+        tensor's copy is reused while the tensor is unchanged, so that block masks kept by the
+        tensors' identity (flashgen.blockmask) match from call to call."""
+        import torch
+
+        out = []
+        for name, t in self.tensors.items():
+            if t.is_contiguous() or t.is_inference() or torch.compiler.is_compiling():
+                out.append(t.contiguous())
+                continue
+            stamp = (t.data_ptr(), t._version)
+            kept = self._copies.get(name)
+            if kept is None or kept[0] != stamp:
+                kept = self._copies[name] = (stamp, t.contiguous())
+            out.append(kept[1])
+        return out
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.cuda!r}, tensors={list(self.tensors)})"

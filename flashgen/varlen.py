@@ -341,6 +341,7 @@ def paged_forward(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     if o.numel() == 0 or batch == 0:
         return o, lse
     device = q.get_device()
+    max_seqlen_q = min(max_seqlen_q, total_q)  # no sequence is longer than the packed tensor (sizes the grid)
     capacity = block_table.shape[1] * page_size
     plan, splits = plans.decode(device, head_dim, q.dtype, True, max_seqlen_q * (heads // kv_heads), batch, kv_heads,
                                 min(max_seqlen_k, capacity), 0, variant.fields, "", True)

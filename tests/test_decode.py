@@ -701,6 +701,9 @@ def test_paged_varlen_runs_the_decode_kernels_varlen_form(driver, stub_kernels, 
     assert got["lse"] == lse.data_ptr() and got["o"] == o.data_ptr() and got["seqlen_new"] == 0 and got["capacity"] == 640
     assert (got["q_row"], got["q_head"]) == (32 * 128, 128)
     assert launch["grid"] == (splits, 8, 3)  # one row tile (24 rows) x splits, KV heads, sequences
+    driver.launches.clear()
+    varlen.paged_forward(q, k_cache, k_cache, cu_q, cu_k, 4000, 500, table, True, 0.125, variants.PLAIN, None, True)
+    assert unpack(spec, driver.launches[0]["params"])["seqlen_q"] == 9  # an inflated max_seqlen_q: at most total_q
 
 
 @pytest.mark.parametrize("fields, message", [

@@ -205,3 +205,104 @@ def test_kept_block_mask_lists_are_copies_of_their_own_and_a_capture_keeps_none(
     monkeypatch.setattr(runtime, "capture_of", lambda stream: 7)  # a capture under way on that stream
     in_graph = lists("cuda")  # (nothing runs on the device: _make is stubbed)
     assert in_graph is made[-1] and len(blockmask._kept) == 1 and len(copied_on) == 3
+
+
+@pytest.fixture
+def stub_cuda_lists(monkeypatch):
+    """BlockMasks on a "cuda" device with nothing run: lists stubbed, keep a clone, the stream a
+    number, and a capture under way while capture[0] is set."""
+    import types
+
+    from flashgen import blockmask, runtime, workspace
+
+    made = []
+    capture = [0]
+    monkeypatch.setattr(BlockMasks, "_make", lambda self, *shape: made.append(some_lists()) or made[-1])
+    monkeypatch.setattr(blockmask, "_kept", blockmask.OrderedDict())
+    monkeypatch.setattr(blockmask, "_captured", {})
+    monkeypatch.setattr(workspace, "keep", lambda t: t.clone())
+    monkeypatch.setattr(runtime, "_current_stream", lambda device: 0xABC0)
+    monkeypatch.setattr(runtime, "capture_of", lambda stream: capture[0])
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(synchronize=lambda: None))
+    return made, capture
+
+
+def test_kept_lists_a_capture_reads_are_never_dropped(stub_cuda_lists):
+    """An eager warm-up keeps a tensor-less rule's lists; the capture after it records their
+    addresses, so neither KEEP newer shapes nor clear() may free them while the graph can replay."""
+    import gc
+    import weakref
+
+    from flashgen import blockmask
+    from flashgen.modifiers import Rule
+
+    made, capture = stub_cuda_lists
+    prefix = Rule(rules.prefix_lm(3).source, [])
+
+    def lists(seqlen=128):
+        return BlockMasks(prefix, False, (-1, -1), 1, 1, seqlen, seqlen, torch.device("cuda:0"), "sm_90a").get(64, 64, False)
+
+    warm = lists()
+    capture[0] = 7
+    in_graph = lists()
+    capture[0] = 0
+    assert in_graph is warm
+    alive = weakref.ref(in_graph.index)
+    del warm, in_graph
+    made.clear()
+    for n in range(blockmask.KEEP):
+        lists(129 + n)
+    blockmask.clear()
+    gc.collect()
+    assert alive() is not None
+
+
+def test_lists_of_inference_tensors_are_made_each_call(monkeypatch):
+    """An inference tensor has no version counter (reading it raises): its lists cannot be kept."""
+    from flashgen import blockmask
+    from flashgen.modifiers import Rule
+
+    made = []
+    monkeypatch.setattr(BlockMasks, "_make", lambda self, *shape: made.append(shape) or some_lists())
+    monkeypatch.setattr(blockmask, "_kept", blockmask.OrderedDict())
+    with torch.inference_mode():
+        doc = torch.zeros(1, 10, dtype=torch.int32)
+    rule = Rule(rules.documents(doc).source, [doc])
+    for _ in range(2):
+        BlockMasks(rule, True, (-1, -1), 1, 1, 10, 10, torch.device("cpu"), "sm_90a").get(64, 64, False)
+    assert len(made) == 2 and not blockmask._kept
+
+
+def test_a_dead_rule_tensor_drops_its_lists_and_a_rebound_one_makes_new(monkeypatch):
+    from flashgen import blockmask
+    from flashgen.modifiers import Rule
+
+    made = []
+    monkeypatch.setattr(BlockMasks, "_make", lambda self, *shape: made.append(shape) or some_lists())
+    monkeypatch.setattr(blockmask, "_kept", blockmask.OrderedDict())
+    source = rules.documents(torch.zeros(1, 10, dtype=torch.int32)).source
+
+    def lists(tensor):
+        return BlockMasks(Rule(source, [tensor]), True, (-1, -1), 1, 1, 10, 10, torch.device("cpu"), "sm_90a").get(64, 64, False)
+
+    doc = torch.zeros(1, 10, dtype=torch.int32)
+    first = lists(doc)
+    doc.data = torch.ones(1, 10, dtype=torch.int32)  # no version change: the address tells
+    assert lists(doc) is not first and len(made) == 2
+    assert len(blockmask._kept) == 2
+    del doc
+    assert not blockmask._kept  # both entries read the dead tensor
+
+
+def test_a_non_contiguous_rule_tensor_gives_the_same_copy_while_unchanged():
+    """The ops take contiguous tensors; a view's copy is reused until the view changes, so the
+    lists kept by tensor identity match from call to call (a new copy each call made new lists,
+    three kept copies and a sync each, in every layer)."""
+    buf = torch.zeros(2, 16, dtype=torch.int32)
+    rule = rules.documents(buf[:, :10])
+    first = rule.arguments()[0]
+    assert first.is_contiguous() and rule.arguments()[0] is first
+    buf[1, 3] = 1  # a write through the base moves the view's version too
+    again = rule.arguments()[0]
+    assert again is not first and again[1, 3] == 1
+    assert rules.documents(buf).arguments()[0] is buf  # contiguous: the tensor itself
