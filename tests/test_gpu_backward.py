@@ -113,6 +113,23 @@ def test_default_mode_dk_dv_are_bitwise_identical():
     assert torch.equal(dk, dk2) and torch.equal(dv, dv2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
+@pytest.mark.parametrize("head_dim", [64, 128, 192])
+def test_rows_of_very_negative_scores_past_a_partial_key_tile(head_dim, deterministic, dtype):
+    """Every score below -100 (lse below -95) and Tk = 100, not a multiple of any key tile: the
+    zeros read past the keys give S = 0 and an unmasked P = exp(-lse) = inf there, and inf * 0 K
+    made whole dQ rows NaN (fixed length, non-causal; fp16 already near -15)."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    noise = lambda *shape: 0.1 * torch.randn(*shape, device="cuda", generator=gen)  # noqa: E731
+    q = (2.5 + noise(1, 2, 64, head_dim)).to(dtype)  # scores about -12.5 sqrt(d): -100 to -173
+    k = (-5 + noise(1, 2, 100, head_dim)).to(dtype)
+    v = torch.randn(1, 2, 100, head_dim, device="cuda", generator=gen).to(dtype)
+    lse = naive_attention(q, k, v)[1]
+    assert lse.max().item() < -80  # the case: exp(-lse) overflows fp32
+    check_gradients(q, k, v, False, deterministic)
+
+
 def test_strided_inputs_and_gradient():
     batch, seqlen, heads, head_dim = 2, 300, 4, 64
     qkv = torch.randn(batch, seqlen, 3, heads, head_dim, device="cuda", dtype=torch.bfloat16)

@@ -151,15 +151,31 @@ def test_the_hopper_backward_walks_a_mask_rules_lists_per_key_tile():
     source = render(spec)
     assert "for (int g = 0; g < kv_group; ++g) steps += listed(kv_head * kv_group + g).tiles(n_block);" in source
     assert source.count("locate(step, head, m0);") == 2  # the producer and the consumers
-    assert "const bool partial = !listed(head).full(n_block, m0 / BLOCK_M);" in source
-    # a bit per score, made before the exponentials and tested among them
-    assert "if (mask.hides(query, key) | rule.hides(batch, head, query, key)) kept[nt / 8] &= ~(1u << (nt % 8 * 4 + e));" in source
+    assert "const bool partial = !listed(head).full(n_block, m0 / BLOCK_M) || n0 + cw * 64 + 64 > seqlen_k;" in source
+    # a bit per score, made before the exponentials and tested among them (keys past the end too)
+    assert "if (mask.outside(query, key) | rule.hides(batch, head, query, key)) kept[nt / 8] &= ~(1u << (nt % 8 * 4 + e));" in source
     assert "if (!(kept[nt / 8] >> (nt % 8 * 4 + e) & 1)) p = 0.f;" in source
     assert "bm_count" in spec.family.params(spec).signature()
     split = render(spec.replace(block_m=128, block_n=64))
     assert split.count("locate(step, head, m0);") == 2 and split.count("rule.hides(") == 1  # the P^T side tests
     plain = render(spec.replace(mask_mod=""))
     assert "locate" not in plain and "rule" not in plain.split('extern "C"')[1] and "BlockMask" not in plain
+
+
+@pytest.mark.parametrize("kind, fields", [
+    ("bwd_sm90_kvq", dict(block_m=64, block_n=128)), ("bwd_sm90_kvq", dict(block_m=128, block_n=64)),
+    ("bwd_sm90_kv", dict(block_m=64, block_n=128)), ("bwd_kvq", dict(block_m=64, block_n=64, arch="sm_80")),
+    ("bwd_q", dict(block_m=64, block_n=64, arch="sm_80")),
+])
+def test_every_backward_masks_the_keys_past_the_end(kind, fields):
+    """Even a plain non-causal backward: keys past seqlen_k read as zeros, so S = 0 and P =
+    exp2(-lse), which is inf for a row whose scores are all below about -88 (inf * 0 K = NaN in dQ;
+    in fp16 dS overflows already near -15). The tile that crosses seqlen_k tests its elements."""
+    spec = KernelSpec(kind=kind, head_dim=64, **fields)
+    source = render(spec)
+    assert "> seqlen_k;" in source and "mask.outside(" in source and "mask.hides(" not in source.split('extern "C"')[1]
+    binary = compile_source(spec, source)
+    assert binary.resources.spills == 0, binary.log
 
 
 def test_the_split_layout_hands_the_score_derivative_over():
