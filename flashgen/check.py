@@ -57,12 +57,14 @@ def _check(kernel, torch) -> bool:
     q, k, v = (torch.randn(2, 8, 1000, spec.head_dim, device="cuda", dtype=dtype, generator=generator).requires_grad_()
                for _ in range(3))
     d_o = torch.randn(q.shape, device="cuda", dtype=dtype, generator=generator)
+    variant = variant_arguments(spec, q)
     runs = {
-        "flashgen": lambda: kernel(q, k, v),
-        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=spec.causal),
-        "exact": lambda: naive_attention(q, k, v, causal=spec.causal)[0],  # fp32
-        "low": lambda: naive_attention(q, k, v, causal=spec.causal, upcast=False)[0],  # input dtype
+        "flashgen": lambda: kernel(q, k, v, **variant),
+        "exact": lambda: naive_attention(q, k, v, causal=spec.causal, **variant)[0],  # fp32
+        "low": lambda: naive_attention(q, k, v, causal=spec.causal, upcast=False, **variant)[0],  # input dtype
     }
+    if not variant:  # (SDPA has no variants)
+        runs["sdpa"] = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=spec.causal)
     results = {}
     for name, fn in runs.items():
         out = fn()
@@ -70,15 +72,31 @@ def _check(kernel, torch) -> bool:
         results[name] = [out.detach().float()] + [t.grad.float() for t in (q, k, v)]
         for t in (q, k, v):
             t.grad = None
-    ours, sdpa, exact, low = (results[name] for name in runs)
+    ours, exact, low, sdpa = (results.get(name) for name in ("flashgen", "exact", "low", "sdpa"))
     ok = True
     for i, label in enumerate(("out", "dq", "dk", "dv")):
         err = (ours[i] - exact[i]).abs().max().item()
         bound = (2 if i == 0 else 3) * (low[i] - exact[i]).abs().max().item() + 1e-5
         ok &= err <= bound
-        print(f"  {label}: max |flashgen - fp32 ref| = {err:.2e} (bound {bound:.2e}), "
-              f"|flashgen - sdpa| = {(ours[i] - sdpa[i]).abs().max().item():.2e}")
+        beside = f", |flashgen - sdpa| = {(ours[i] - sdpa[i]).abs().max().item():.2e}" if sdpa else ""
+        print(f"  {label}: max |flashgen - fp32 ref| = {err:.2e} (bound {bound:.2e}){beside}")
     return ok
+
+
+def variant_arguments(spec, q) -> dict:
+    """Arguments that exercise the variants a kernel was built for (a window of 256 keys, softcap 30,
+    ALiBi's geometric slopes), passed alike to the kernel and to the reference."""
+    arguments = {}
+    if spec.window:
+        arguments["window_size"] = (256, 0 if spec.causal else 64)
+    if spec.softcap:
+        arguments["softcap"] = 30.0
+    if spec.alibi:
+        import torch
+
+        heads = q.shape[1]
+        arguments["alibi_slopes"] = torch.tensor([2 ** (-8 * (h + 1) / heads) for h in range(heads)], device=q.device)
+    return arguments
 
 
 if __name__ == "__main__":

@@ -53,6 +53,9 @@ class CompileError(RuntimeError):
             f"options: {' '.join(self.options)}\n{log.strip()}"
         )
 
+    def __reduce__(self):  # a worker process of a parallel build sends it whole to the parent
+        return CompileError, (self.spec_name, self.log, self.options, self.source_path)
+
 
 @dataclass(frozen=True)
 class Resources:

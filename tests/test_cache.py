@@ -306,3 +306,16 @@ def test_cubins_are_whole_elf_files(root):
     phoff, shoff = struct.unpack_from("<QQ", cubin, 0x20)
     phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", cubin, 0x36)
     assert len(cubin) >= max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+
+
+def test_a_compile_error_crosses_a_process_boundary_whole(tmp_path):
+    """A parallel build's worker raises it in another process: pickled with all four fields (its
+    __init__ takes them; the default pickling carried only the message and failed to rebuild it)."""
+    import pickle
+
+    from flashgen.compile import CompileError
+
+    error = pickle.loads(pickle.dumps(CompileError("fwd_x", "line 3: error", ["-arch=sm_90a"], tmp_path / "x.cu")))
+    assert (error.spec_name, error.log, error.options, error.source_path) == ("fwd_x", "line 3: error", ["-arch=sm_90a"],
+                                                                              tmp_path / "x.cu")
+    assert "NVRTC failed to compile fwd_x" in str(error)

@@ -424,3 +424,17 @@ def test_plot_names_a_file_that_is_not_a_report(tmp_path):
     bad.write_text('{"gpu": "x"}')
     result = CliRunner().invoke(cli.main, ["plot", str(bad), str(tmp_path / "x.png")])
     assert result.exit_code == 1 and "not a flashgen bench report" in result.output
+
+
+def test_check_calls_a_variant_kernel_with_its_variants():
+    """`python -m flashgen.check` called every kernel as kernel(q, k, v): a window, softcap or ALiBi
+    kernel refused such a call ("built for variants"), so check failed every one of them."""
+    from flashgen.check import variant_arguments
+
+    q = torch.zeros(2, 8, 16, 64)
+    base = KernelSpec(head_dim=64, block_m=64, block_n=64, causal=True)
+    assert variant_arguments(base, q) == {}
+    got = variant_arguments(base.replace(window=True, softcap=True, alibi=True), q)
+    assert got["window_size"] == (256, 0) and got["softcap"] == 30.0
+    assert got["alibi_slopes"].shape == (8,) and got["alibi_slopes"].dtype == torch.float32
+    assert variant_arguments(base.replace(causal=False, window=True), q)["window_size"] == (256, 64)

@@ -138,3 +138,27 @@ def test_the_varlen_oracle_clips_at_max_seqlen_k_not_each_sequence():
     want_o, want_lse = by_hand(*first, 8**-0.5, window=(-1, 3))
     close((out[:6].transpose(0, 1)[None], lse[:, :6][None]), (want_o, want_lse))
     assert want_lse.isinf().any()  # unclipped at the sequence's own 2 keys
+
+
+def test_a_prebuilt_window_kernel_runs_a_window_clipped_away_at_tk(monkeypatch):
+    """A Mistral-style kernel built with a window, called with window_size=(4096, 0) on 1000 keys:
+    the window bounds nothing there (FlashAttention's rule) and the kernel runs it unbounded, where
+    it used to refuse the call as one without a window. Other variant mismatches still raise."""
+    from flashgen import api
+    from flashgen.spec import KernelSpec
+
+    ran = []
+    monkeypatch.setattr(api, "check_inputs", lambda *args: None)
+    monkeypatch.setattr(api, "run_attention", lambda *args, variant, **kw: ran.append(variant) or (None, None))
+    spec = KernelSpec(head_dim=8, block_m=64, block_n=64, causal=True, window=True)
+    q, k = torch.zeros(1, 2, 1000, 8, dtype=torch.bfloat16), torch.zeros(1, 2, 1000, 8, dtype=torch.bfloat16)
+    api.call(q, k, k, True, None, False, False, spec, window_size=(4096, 0))
+    api.call(q, k, k, True, None, False, False, spec, window_size=(999, 0))
+    assert ran[0][:2] == (-1, 0) and ran[1][:2] == (999, 0)
+    full = spec.replace(causal=False)
+    api.call(q, k, k, False, None, False, False, full, window_size=(2000, 1000))
+    assert ran[2][:2] == (-1, -1)
+    with pytest.raises(ValueError, match="built for variants"):
+        api.call(q, k, k, True, None, False, False, spec)  # no window asked for at all
+    with pytest.raises(ValueError, match="built for variants"):
+        api.call(q, k, k, True, None, False, False, spec.replace(window=False), window_size=(999, 0))
