@@ -24,7 +24,7 @@ from . import __version__
 from .cache import cubin_matches, default_cache, write_atomic
 from .compile import Resources
 from .render import render
-from .spec import KernelSpec
+from .spec import SMEM_LIMIT, KernelSpec
 from .tuning import backward_prep, backward_specs
 from .variants import FIELDS
 
@@ -165,11 +165,12 @@ class PrebuiltKernel:
     """A forward kernel loaded from a build folder, callable like flashgen.attention with its mask
     fixed; it runs through exactly the same path (autocast, input checks, the custom op)."""
 
-    def __init__(self, spec: KernelSpec, meta: dict, path: Path):
+    def __init__(self, spec: KernelSpec, meta: dict, path: Path, smem_bytes: int = 0):
         self.spec = spec
         self.meta = meta
         self.path = path
         self.resources = Resources(**meta["resources"])
+        self.smem_bytes = smem_bytes or spec.smem_bytes  # the most any of its kernels asks for, backward included
 
     def __call__(self, q, k, v, *, scale: float | None = None, return_lse: bool = False,
                  deterministic: bool = False, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None):
@@ -183,6 +184,12 @@ class PrebuiltKernel:
                 raise ValueError(
                     f"{self.spec.name} was built for {self.spec.arch}; this GPU ({q.device}) runs {target} code: "
                     f"build it with `flashgen build --arch {target}`"
+                )
+            if self.smem_bytes > SMEM_LIMIT[target]:  # (sm_80 tiles on sm_86 / sm_89, which have less)
+                raise ValueError(
+                    f"{self.spec.name} (or its backward) takes {self.smem_bytes // 1024} KiB of shared memory a block; "
+                    f"this GPU ({q.device}, {target}) allows {SMEM_LIMIT[target] // 1024} KiB: build it with "
+                    f"`flashgen build --arch {target}`"
                 )
         return call(q, k, v, self.spec.causal, scale, return_lse, deterministic, spec=self.spec,
                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
@@ -233,7 +240,9 @@ def load(path) -> PrebuiltKernel | dict[str, PrebuiltKernel]:
     it, as {name: kernel}. Needs no compiler; touches no GPU until called."""
     path = Path(path)
     if path.is_dir():
-        forwards = [Path(meta["path"]) for meta in built(path) if _importable(KernelSpec(**meta["spec"]))]
+        # another version's kernels are listed so that load() names the version (their specs may not parse)
+        forwards = [Path(meta["path"]) for meta in built(path)
+                    if meta.get("flashgen") != __version__ or _importable(KernelSpec(**meta["spec"]))]
         if not forwards:
             raise FileNotFoundError(
                 f"{path} holds no kernels built by `flashgen build` (a <name>.json with its "
@@ -251,8 +260,10 @@ def load(path) -> PrebuiltKernel | dict[str, PrebuiltKernel]:
             f"{spec.name} is a backward piece ({spec.kind}): it loads with the forward kernel it was "
             f"built for, whose .json names it; load that forward kernel, or the folder"
         )
+    smem_bytes = spec.smem_bytes
     for name in meta.get("backward", []):
         companion, companion_cubin, _ = _read(meta_path.with_name(name + ".json"))
         _register(companion, companion_cubin)
+        smem_bytes = max(smem_bytes, companion.smem_bytes)
     _register(spec, cubin)
-    return PrebuiltKernel(spec, meta, meta_path)
+    return PrebuiltKernel(spec, meta, meta_path, smem_bytes)

@@ -89,6 +89,10 @@ def test_load_refuses_a_kernel_of_another_version_or_a_missing_backward_piece(ge
     forward.write_text(json.dumps({**meta, "flashgen": "0.0.9"}))
     with pytest.raises(ValueError, match="built by flashgen 0.0.9, and this is flashgen .* rebuild it"):
         flashgen.load(forward)
+    # a folder of that version, whose specs have a field this one lacks: the same message, no TypeError
+    forward.write_text(json.dumps({**meta, "flashgen": "0.0.9", "spec": {**meta["spec"], "retired_field": 1}}))
+    with pytest.raises(ValueError, match="built by flashgen 0.0.9"):
+        flashgen.load(folder)
 
 
 def test_a_cubin_runs_on_its_own_major_version_and_sm90a_on_sm90a_only():
@@ -438,3 +442,21 @@ def test_check_calls_a_variant_kernel_with_its_variants():
     assert got["window_size"] == (256, 0) and got["softcap"] == 30.0
     assert got["alibi_slopes"].shape == (8,) and got["alibi_slopes"].dtype == torch.float32
     assert variant_arguments(base.replace(causal=False, window=True), q)["window_size"] == (256, 64)
+
+
+def test_a_prebuilt_kernel_with_more_shared_memory_than_the_gpu_allows_is_refused_by_name(monkeypatch):
+    """sm_80 code runs on sm_86 / sm_89, whose blocks get 99 KiB of shared memory, not 163: an sm_80
+    build's tiles (here d = 192, or the backward it carries) are refused there with the fix named."""
+    import types
+
+    from flashgen import plans
+
+    spec = tuning.tuned_spec("fwd", 192, "bf16", False, "sm_80")
+    assert spec.smem_bytes > 99 * 1024
+    kernel = aot.PrebuiltKernel(spec, {"resources": {"registers": 1, "static_smem": 0, "stack_frame": 0, "spill_stores": 0, "spill_loads": 0}},
+                                Path("x.json"))
+    monkeypatch.setattr(plans, "device_arch", lambda device: "sm_86")
+    fake_q = types.SimpleNamespace(is_cuda=True, get_device=lambda: 0, device="cuda:0")
+    with pytest.raises(ValueError, match=r"KiB of shared memory a block; this GPU \(cuda:0, sm_86\) allows 99 KiB: build it "
+                                         r"with `flashgen build --arch sm_86`"):
+        kernel(fake_q, fake_q, fake_q)
