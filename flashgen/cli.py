@@ -111,11 +111,15 @@ def specs_from_options(head_dims, blocks_m, blocks_n, warps, stages, dtypes, cau
 
 
 def _warps_for(tuned, changes) -> int:
-    """The tuned warp count if it still gives each warp 16 or 32 rows of the new tile, else the
-    count that gives it 32."""
+    """The tuned warp count if it still gives each warp 16 or 32 rows of the new tile, else a warp
+    count (1, 2, 4 or 8) that gives it 32, or 16; with none, the tuned one (and the spec's check
+    names the tile that no warp count fits)."""
     owner = tuned.family.owner  # the tile dimension a warp owns rows of
     owned = changes.get(owner, getattr(tuned, owner))
-    return tuned.num_warps if owned // tuned.num_warps in (16, 32) else max(1, min(8, owned // 32))
+    if owned == tuned.num_warps * 16 or owned == tuned.num_warps * 32:
+        return tuned.num_warps
+    fits = [warps for rows in (32, 16) for warps in (1, 2, 4, 8) if warps * rows == owned]
+    return fits[0] if fits else tuned.num_warps
 
 
 def _fail(error) -> None:

@@ -195,6 +195,8 @@ def tuned_spec(kind: str | None, head_dim: int, dtype: str, causal: bool, arch: 
         return forward_spec(head_dim, dtype, causal, arch, seqlen_q=4096, variant=variant)
     if kind == "bwd_prep":
         return backward_prep(head_dim, dtype, arch)
+    if kind == "bwd_dq_sm90":  # no tiles to tune: it reads the varlen backward's dQ sum back
+        return KernelSpec(kind=kind, head_dim=head_dim, dtype=dtype, arch=arch, varlen=True)
     return _first_valid(kind, head_dim, dtype, causal, arch, variant=variant)
 
 

@@ -191,6 +191,13 @@ def test_bad_options_are_refused(tmp_path, args, text):
     assert not (tmp_path / "gen").exists()
 
 
+@pytest.mark.parametrize("block", [96, 192])
+def test_a_tile_no_warp_count_fits_is_named_not_a_warp_count_the_user_never_gave(tmp_path, block):
+    result = run("build", "--d", 64, "--arch", "sm_80", "--block", block, "--out", tmp_path / "gen")
+    assert failed(result, f"block_m={block} with num_warps=4"), result.stderr  # (it said num_warps=3 / 6)
+    assert "must be one of (1, 2, 4, 8)" not in result.stderr
+
+
 def test_show_prints_the_source():
     name = tuned(64, causal=True).name
     result = run("show", "--d", 64, "--causal")
@@ -460,3 +467,9 @@ def test_a_prebuilt_kernel_with_more_shared_memory_than_the_gpu_allows_is_refuse
     with pytest.raises(ValueError, match=r"KiB of shared memory a block; this GPU \(cuda:0, sm_86\) allows 99 KiB: build it "
                                          r"with `flashgen build --arch sm_86`"):
         kernel(fake_q, fake_q, fake_q)
+
+
+@pytest.mark.parametrize("kind", ["bwd_prep", "bwd_dq_sm90", "bwd_sm90_kvq", "fwd"])
+def test_show_takes_every_kind_the_readme_names(kind):
+    result = run("show", "--d", 64, "--kind", kind)
+    assert result.exit_code == 0 and f"// {kind}_d64" in result.stdout, result.stderr
