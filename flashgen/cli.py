@@ -77,9 +77,11 @@ def spec_options(multiple: bool):
                          callback=_words(ARCHS), help="compile target(s)"),
             click.option("--variant", "variant", default=None, callback=_words(VARIANTS),
                          help=f"attention variants the kernels have, comma-separated: {', '.join(VARIANTS)}"),
-            click.option("--rotary", default=None, type=click.Choice(ROTARY_STYLES),
-                         help="rotary embedding of q and the appended keys (decode kinds: flash_attn_with_kvcache's tables)"),
         ]
+        if not multiple:  # (show's --kind picks a decode kind; build makes attention's kernels, which take no rotary)
+            options.append(click.option("--rotary", default=None, type=click.Choice(ROTARY_STYLES),
+                                        help="rotary embedding of q and the appended keys (decode kinds: "
+                                             "flash_attn_with_kvcache's tables)"))
         for option in reversed(options):
             fn = option(fn)
         return fn
@@ -327,11 +329,17 @@ def tune(head_dims, dtypes, masks, kinds, seqlens, out, jobs, dry_run):
     from .plans import device_arch
 
     arch = device_arch(0) if torch.cuda.is_available() else "sm_90a"
+    causals = [m == "causal" for m in masks]
     try:
-        found = tuner.problems(head_dims, dtypes, [m == "causal" for m in masks], arch, kinds)
+        found = tuner.problems(head_dims, dtypes, causals, arch, kinds)
     except SpecError as error:
         _fail(error)
+    if not found:  # (a table written from nothing would only lose entries)
+        tunable = sorted({problem.kind for problem in tuner.problems(head_dims, dtypes, causals, arch, None)})
+        _fail(SpecError(f"--kinds {','.join(kinds)}: none of them is tuned on {arch}; its tables run {', '.join(tunable)}"))
     if dry_run:
+        if not torch.cuda.is_available():
+            click.echo(f"(no GPU here: the problems of {arch})")
         for problem in found:
             specs = tuner.candidates(problem)
             knobs = ", ".join(f"{field} {values}" for field, values in specs[0].family.tune_knobs.items()) if specs else ""

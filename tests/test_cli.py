@@ -232,6 +232,7 @@ def test_show_a_rotary_decode_kernel():
     assert "struct Rotary" not in run("show", "--d", 128, "--kind", "decode").output
     assert failed(run("show", "--d", 64, "--rotary", "interleaved"), "a fwd_sm90 kernel does not use rotary")
     assert run("show", "--d", 64, "--kind", "decode", "--rotary", "sideways").exit_code != 0
+    assert run("build", "--d", 64, "--rotary", "halves").exit_code == 2  # attention's kernels take no rotary
 
 
 def test_show_resources_compiles():

@@ -170,6 +170,13 @@ def test_cli_refuses_to_tune_without_a_gpu():
     assert result.exit_code == 1 and "needs a CUDA GPU" in result.output
 
 
+def test_tune_of_kinds_the_tables_do_not_run_here_is_refused_by_name():
+    """It printed nothing and exited 0 (a real run would have rewritten the table with no entries)."""
+    result = CliRunner().invoke(main, ["tune", "--d", "64", "--kinds", "decode", "--dry-run"])
+    assert result.exit_code == 1 and "--kinds decode: none of them is tuned on sm_90a; its tables run" in result.output
+    assert "fwd_sm90" in result.output
+
+
 def test_a_candidate_counts_only_where_the_tables_would_run_it():
     problem = tune.Problem("fwd_sm90", 128, "bf16", True, "sm_90a", "long")
     spec = tune.candidates(problem)[-1]
