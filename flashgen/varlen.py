@@ -406,8 +406,9 @@ def attention_varlen(
     no sequence longer than max_seqlen), which would need them on the host, a device sync on every
     call, and no CUDA-graph capture; flashgen.reference.attention_varlen checks them. Whatever
     they hold, the kernels clamp every offset into the packed tensors, so bad values give wrong
-    rows, never an access outside q, k, v or out; rows of a sequence longer than max_seqlen_q are
-    left uncomputed (as in FlashAttention).
+    rows, never an access outside q, k, v or out; of a sequence longer than max_seqlen_q, some rows
+    are left uncomputed, as in FlashAttention (there its last ones; here, where the query tiles run
+    longest first, its first ones).
     """
     q, k, v = autocast_inputs(q, k, v)
     check_no_dropout(dropout_p)
