@@ -288,8 +288,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
     check_no_dropout(dropout_p)
     check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kernel=False, block_table=block_table)
-    variants.make(causal, window_size, softcap, alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device)
-    window_size = clip_window(window_size, max_seqlen_k)  # FlashAttention's rule at max_seqlen_k
+    # FlashAttention's window: sides of at least max_seqlen_k unbounded (variants.make)
+    variant = variants.make(causal, window_size, softcap, alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device,
+                            keys=max_seqlen_k)
+    window_size = (variant.window_left, variant.window_right)
     starts_q = check_cu_seqlens(cu_seqlens_q, q.shape[0], max_seqlen_q, "cu_seqlens_q")
     total_k = k.shape[0] if block_table is None else int(cu_seqlens_k[-1])  # paged: the offsets give lengths only
     starts_k = check_cu_seqlens(cu_seqlens_k, total_k, max_seqlen_k, "cu_seqlens_k")
