@@ -46,7 +46,7 @@ def _occupancy(spec: KernelSpec, threads: int, smem: int) -> int:
     """Blocks of this size one SM holds at once, by shared memory and threads (each block also
     takes 1 KiB of shared memory for the system; the SM has 1 KiB more than a block may use)."""
     by_smem = (SMEM_LIMIT[spec.arch] + 1024) // (smem + 1024)
-    by_threads = (1536 if spec.arch in ("sm_86", "sm_89") else 2048) // threads
+    by_threads = (1536 if spec.arch in ("sm_86", "sm_87", "sm_89") else 2048) // threads  # 48 warps below sm_80/90
     return max(1, min(by_smem, by_threads, 16))
 
 
