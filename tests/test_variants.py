@@ -121,10 +121,18 @@ def test_the_hopper_forward_scores_each_tile_and_masks_per_warpgroup():
 
 
 def test_alibi_distances_stay_in_float():
-    """No int-to-float conversion per element of a tile: the lane's first distance, less constants."""
-    source = render(HOPPER.replace(alibi=True))
-    tile = source.split("DEVICE void tile(")[1].split("\n    }")[0]
-    assert "fabsf(first + float((e / 2) * 8 - nt * 8 - (e & 1)))" in tile and "abs(row" not in tile
+    """No int-to-float conversion per element of a tile: the lane's first distance, less constants.
+    Where a warp's rows see the whole tile on one side of their diagonal (under causal, always), an
+    element pays one FFMA: the distance's part common to a row goes to the softmax as an offset."""
+    for causal in (True, False):
+        source = render(HOPPER.replace(alibi=True, causal=causal))
+        tile = source.split("DEVICE void tile(")[1].split("\n    }")[0]
+        assert "abs(row" not in tile and "one_sided(s, " in tile
+        assert ("fabsf(first + float((e / 2) * 8 - nt * 8 - (e & 1)))" in tile) == (not causal)
+        assert "s[nt][e] = fmaf(side_slope, float(nt * 8 + (e & 1)), s[nt][e]);" in source
+        assert "softmax_update(s, row_max, row_sum, scale_log2, alpha, offset);" in source
+        assert "scale_log2, alpha);" not in source
+        assert "mx = fmaxf(row_max[h], mx + offset[h]);" in source
 
 
 def test_the_backward_multiplies_the_caps_derivative_into_ds_and_alibi_does_not():

@@ -171,6 +171,8 @@ class Family:
             "mask_args": ", window_left, window_right" if spec.window else "",  # the Mask's runtime bounds
             "score": spec.softcap or spec.alibi or bool(spec.score_mod),  # a score piece (templates/score.cuh.j2)
             "score_grad": spec.softcap or bool(spec.score_mod),  # the backward multiplies dS by the score's derivative
+            # the forwards' ALiBi: a tile's distances split into a part per key and one per row (score.cuh.j2)
+            "score_offsets": spec.alibi and not spec.score_mod and spec.kind in ("fwd", "fwd_sm90"),
             **modifier_context(spec),
             "variants_text": "".join(text for field, text in VARIANT_TEXT.items() if getattr(spec, field, False)),
             "smem_layout": self.smem(spec).cuda(),
