@@ -120,6 +120,7 @@ def test_rows_of_very_negative_scores_past_a_partial_key_tile(head_dim, determin
     """Every score below -100 (lse below -95) and Tk = 100, not a multiple of any key tile: the
     zeros read past the keys give S = 0 and an unmasked P = exp(-lse) = inf there, and inf * 0 K
     made whole dQ rows NaN (fixed length, non-causal; fp16 already near -15)."""
+    dtype = DTYPES[dtype]
     gen = torch.Generator(device="cuda").manual_seed(7)
     noise = lambda *shape: 0.1 * torch.randn(*shape, device="cuda", generator=gen)  # noqa: E731
     q = (2.5 + noise(1, 2, 64, head_dim)).to(dtype)  # scores about -12.5 sqrt(d): -100 to -173

@@ -125,7 +125,7 @@ def test_the_block_mask_skips_empty_tiles_and_is_kept_for_index_rules():
     rule = prefix_rule(64)
     flashgen.attention(q, k, v, mask_mod=rule)
     assert len(blockmask._kept) == 1  # a rule over indices alone: its lists are kept for the shape
-    lists = next(iter(blockmask._kept.values()))[0]
+    lists = next(iter(blockmask._kept.values())).lists
     # causal-like rule with a 64-key prefix: fewer than all tiles are listed, the diagonal ones partial
     assert lists.count.sum().item() < lists.count.numel() * lists.index.shape[-1]
     assert (lists.state == 2).any() and (lists.state == 1).any() and (lists.state == 0).any()
