@@ -163,12 +163,21 @@ def _encode_tensor_map(t: torch.Tensor, box_rows: int, box_cols: int) -> bytes:
             strides[i] = 16 * max(1, -(-(strides[i - 1] * sizes[i - 1] if i else head_dim * size) // 16))
     descriptor = (ctypes.c_uint64 * 16)()
     lib = driver()
-    check(lib, lib.cuTensorMapEncodeTiled(
-        descriptor, _TENSOR_MAP_DTYPES[t.dtype], 4, ctypes.c_void_p(t.data_ptr()),
-        (ctypes.c_uint64 * 4)(head_dim, seqlen, heads, batch), (ctypes.c_uint64 * 3)(*strides),
-        (ctypes.c_uint32 * 4)(box_cols, box_rows, 1, 1), (ctypes.c_uint32 * 4)(1, 1, 1, 1),
-        0, _SWIZZLE_128B, _L2_PROMOTION_128B, _OOB_FILL_ZEROS,
-    ), f"encoding a tensor map of shape {tuple(t.shape)}, strides {tuple(t.stride())}")
+    # The driver encodes only under a current context, and a thread may have none: the autograd
+    # thread runs a backward with none current until a CUDA runtime call makes PyTorch's current
+    # (and each launch here puts back what it found, none included).
+    previous, device = ctypes.c_void_p(), t.get_device()
+    lib.cuCtxGetCurrent(ctypes.byref(previous))
+    make_current(device)
+    try:
+        check(lib, lib.cuTensorMapEncodeTiled(
+            descriptor, _TENSOR_MAP_DTYPES[t.dtype], 4, ctypes.c_void_p(t.data_ptr()),
+            (ctypes.c_uint64 * 4)(head_dim, seqlen, heads, batch), (ctypes.c_uint64 * 3)(*strides),
+            (ctypes.c_uint32 * 4)(box_cols, box_rows, 1, 1), (ctypes.c_uint32 * 4)(1, 1, 1, 1),
+            0, _SWIZZLE_128B, _L2_PROMOTION_128B, _OOB_FILL_ZEROS,
+        ), f"encoding a tensor map of shape {tuple(t.shape)}, strides {tuple(t.stride())}")
+    finally:
+        _restore(lib, previous.value, device)
     return bytes(descriptor)
 
 

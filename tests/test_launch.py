@@ -138,6 +138,23 @@ def test_a_launch_on_another_gpu_leaves_the_callers_context_current(monkeypatch)
     assert stub.during[-1] == 0x200 and stub.current is None
 
 
+def test_a_tensor_map_is_encoded_under_its_devices_context(monkeypatch):
+    """The autograd thread may have no context current (the driver then refuses to encode with
+    CUDA_ERROR_INVALID_CONTEXT): the encoding runs in the tensor's device's context, and the
+    thread keeps what it had."""
+    stub = ContextStub(current=None)
+    during = []
+    stub.cuTensorMapEncodeTiled = lambda *args: during.append(stub.current) or 0
+    monkeypatch.setattr(runtime, "driver", lambda: stub)
+    monkeypatch.setattr(runtime, "_contexts", {-1: 0x100})  # a CPU tensor reports device -1
+    monkeypatch.setattr(runtime, "_tensor_maps", {})
+    runtime.tensor_map(torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16), 64)
+    assert during == [0x100] and stub.current is None
+    stub.current = 0x100  # PyTorch's context current: it stays
+    runtime.tensor_map(torch.zeros(1, 2, 32, 64, dtype=torch.bfloat16), 64)
+    assert during == [0x100, 0x100] and stub.current == 0x100
+
+
 def test_the_default_stream_is_never_asked_for_a_capture(monkeypatch):
     """The legacy default stream (0) cannot be captured: no driver call (which would need a current
     context) for the common eager case."""
