@@ -5,7 +5,8 @@ so that no two kernels that may run at once ever share one.
   its partial state and adds one to its row tile's count; the block that brings the count to the
   number of splits merges the states and sets the count back to zero
   (templates/attention_decode.cu.j2). So counts hold zeros whenever no kernel runs on them, and a
-  call pays no zeroing launch.
+  call pays no zeroing launch. Nothing else writes them, and nothing puts a count that is not
+  zero right: the kernel's wrapping increment keeps any offset from kernel to kernel.
 - **Scratch** that a kernel fills before it reads it (the decode's partial states): eager calls
   reuse their stream's, which saves an allocation a call. A call being captured allocates its own
   (a replay costs no host time anyway).
