@@ -73,6 +73,17 @@ def test_alibi_matches_reference(head_dim, causal, per_batch):
     check(q, k, v, causal, dict(alibi_slopes=slopes_for(2, 4, per_batch)))
 
 
+@pytest.mark.parametrize("seqlen_q, seqlen_k, dtype", [(1000, 2100, "bf16"), (2100, 1000, "fp16"), (40, 1500, "bf16")])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_alibi_alone_for_different_lengths(head_dim, causal, seqlen_q, seqlen_k, dtype):
+    """The forwards split ALiBi's distance where a warp's rows see a whole key tile on one side of
+    their diagonal: tiles left and right of it, and the ones across it, with Tq != Tk (diagonal not
+    at 0), the Hopper forward and the mma.sync one (40 queries), GQA 2:1."""
+    q, k, v = make_qkv(2, 4, 2, seqlen_q, seqlen_k, head_dim, DTYPES[dtype], seed=seqlen_q + head_dim)
+    check(q, k, v, causal, dict(alibi_slopes=slopes_for(2, 4, per_batch=True)))
+
+
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 700), (129, 700), (700, 129), (17, 17), (1000, 1023)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_everything_together_for_different_lengths(seqlen_q, seqlen_k, causal):
