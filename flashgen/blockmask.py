@@ -88,7 +88,7 @@ class BlockMasks:
     def _kept_or_made(self, shape) -> Lists:
         tensors = list(self.rule.tensors.values())  # the caller's tensors (arguments() may copy them)
         stream = runtime._current_stream(self.device.index) if self.device.type == "cuda" else 0
-        capturing = bool(stream and runtime.capture_of(stream))
+        capturing = bool(stream and runtime.capture_of(stream, self.device.index))
         # a graph captured with a tensor rule makes its lists at each replay, from the tensors then;
         # an inference tensor has no version counter to tell a write, so its lists are made each call
         if tensors and (capturing or any(t.is_inference() for t in tensors)):

@@ -90,13 +90,26 @@ _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
 )
 
 
-def capture_of(stream: int) -> int:
-    """The id of the CUDA graph capture under way on `stream` (a raw handle), or 0 when none is.
-    (The driver's three-argument cuStreamGetCaptureInfo, which every driver since CUDA 10 keeps.)"""
+_INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
+
+
+def capture_of(stream: int, device: int) -> int:
+    """The id of the CUDA graph capture under way on `stream` (a raw handle of `device`), or 0 when
+    none is. (The driver's three-argument cuStreamGetCaptureInfo, which every driver since CUDA 10 keeps.)"""
     if not stream:  # the legacy default stream is never captured (and asking it needs a current context)
         return 0
+    lib = driver()
     status, capture = _local_capture()
-    check(driver(), driver().cuStreamGetCaptureInfo(ctypes.c_void_p(stream), status[1], capture[1]), "cuStreamGetCaptureInfo")
+    result = lib.cuStreamGetCaptureInfo(ctypes.c_void_p(stream), status[1], capture[1])
+    if result == _INVALID_CONTEXT:  # a thread with none current (the autograd thread may be one): ask in the device's
+        previous = ctypes.c_void_p()
+        lib.cuCtxGetCurrent(ctypes.byref(previous))
+        make_current(device)
+        try:
+            result = lib.cuStreamGetCaptureInfo(ctypes.c_void_p(stream), status[1], capture[1])
+        finally:
+            _restore(lib, previous.value, device)
+    check(lib, result, "cuStreamGetCaptureInfo")
     return capture[0].value if status[0].value else 0
 
 

@@ -48,7 +48,7 @@ _lock = threading.Lock()
 def where(device: int) -> tuple[int, int]:
     """`device`'s current stream (raw handle) and the id of the graph capture under way on it, or 0."""
     stream = runtime._current_stream(device)
-    return stream, runtime.capture_of(stream)
+    return stream, runtime.capture_of(stream, device)
 
 
 def counts(device: int, stream: int, capture: int, count: int, place: torch.device) -> torch.Tensor:

@@ -159,7 +159,27 @@ def test_the_default_stream_is_never_asked_for_a_capture(monkeypatch):
     """The legacy default stream (0) cannot be captured: no driver call (which would need a current
     context) for the common eager case."""
     monkeypatch.setattr(runtime, "driver", lambda: (_ for _ in ()).throw(AssertionError("the driver was asked")))
-    assert runtime.capture_of(0) == 0
+    assert runtime.capture_of(0, 0) == 0
+
+
+def test_a_thread_with_no_context_asks_for_a_capture_in_the_devices(monkeypatch):
+    """A driver that wants a current context to answer for a stream: a thread with none (the
+    autograd thread may be one) asks again in the stream's device's context, and keeps none."""
+    stub = ContextStub(current=None)
+    asked = []
+
+    def capture_info(stream, status, capture):
+        asked.append(stub.current)
+        if stub.current is None:
+            return 201  # CUDA_ERROR_INVALID_CONTEXT
+        status._obj.value, capture._obj.value = 1, 42  # capturing, id 42
+        return 0
+
+    stub.cuStreamGetCaptureInfo = capture_info
+    monkeypatch.setattr(runtime, "driver", lambda: stub)
+    monkeypatch.setattr(runtime, "_contexts", {0: 0x100})
+    assert runtime.capture_of(0xABC0, 0) == 42
+    assert asked == [None, 0x100] and stub.current is None
 
 
 def unpack(spec, values) -> dict:

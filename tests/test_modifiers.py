@@ -202,7 +202,7 @@ def test_kept_block_mask_lists_are_copies_of_their_own_and_a_capture_keeps_none(
     from flashgen import runtime
 
     monkeypatch.setattr(runtime, "_current_stream", lambda device: 0xABC0)
-    monkeypatch.setattr(runtime, "capture_of", lambda stream: 7)  # a capture under way on that stream
+    monkeypatch.setattr(runtime, "capture_of", lambda stream, device: 7)  # a capture under way on that stream
     in_graph = lists("cuda")  # (nothing runs on the device: _make is stubbed)
     assert in_graph is made[-1] and len(blockmask._kept) == 1 and len(copied_on) == 3
 
@@ -222,7 +222,7 @@ def stub_cuda_lists(monkeypatch):
     monkeypatch.setattr(blockmask, "_captured", {})
     monkeypatch.setattr(workspace, "keep", lambda t: t.clone())
     monkeypatch.setattr(runtime, "_current_stream", lambda device: 0xABC0)
-    monkeypatch.setattr(runtime, "capture_of", lambda stream: capture[0])
+    monkeypatch.setattr(runtime, "capture_of", lambda stream, device: capture[0])
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(synchronize=lambda: None))
     return made, capture
 
