@@ -85,3 +85,28 @@ def check_by_the_numerics_rule(ours, exact, low, dtype):
         bound = (2 if name == "out" else 3) * (lowp.float() - ref.float()).abs().max().item() + 1e-5
         assert math.isfinite(bound), f"{name}: the low-precision reference is not finite, so it bounds nothing"
         assert err <= bound, f"{name}: max error {err:.3e} > bound {bound:.3e}"
+
+
+def in_a_thread_with_no_context(fn):
+    """fn() on a new thread that has no CUDA context current (as the autograd thread, or a serving
+    thread, may start): its result, or its exception raised here."""
+    import threading
+
+    from flashgen import runtime
+
+    results = []
+
+    def work():
+        try:
+            runtime.driver().cuCtxSetCurrent(None)
+            results.append((True, fn()))
+        except Exception as error:  # noqa: BLE001  (raised again on the caller's thread)
+            results.append((False, error))
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    [(ok, value)] = results
+    if not ok:
+        raise value
+    return value

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from conftest import in_a_thread_with_no_context
 
 import flashgen
 from flashgen import plans, reference, tuning, workspace
@@ -131,33 +132,19 @@ def test_forced_splits_match_the_reference(num_splits):
 def test_a_split_step_on_a_side_stream_of_a_thread_with_no_context():
     """A serving thread, or the autograd thread, may have no context current: the split step still
     asks the driver whether its stream is being captured (its counts are the stream's) and runs right."""
-    import threading
-
-    from flashgen import runtime
-
     problem = Problem(2, 1, 8, 2, 128, [100, 3000], new=1, page_size=16, capacity=3100, seed=11)
     ref, ref_lse, ref_k, ref_v = problem.oracle()
     ref_lp = problem.oracle(upcast=False)[0]
     stream = torch.cuda.Stream()
-    results = []
 
-    def work():
-        try:
-            runtime.driver().cuCtxSetCurrent(None)
-            with torch.cuda.stream(stream):
-                args, keywords = problem.arguments()
-                out, lse = flashgen.attention_with_kvcache(*args, **keywords, num_splits=8, return_softmax_lse=True)
-            stream.synchronize()
-            results.append((out, lse))
-        except Exception as error:  # noqa: BLE001  (reported by the main thread)
-            results.append(error)
+    def step():
+        with torch.cuda.stream(stream):
+            args, keywords = problem.arguments()
+            out, lse = flashgen.attention_with_kvcache(*args, **keywords, num_splits=8, return_softmax_lse=True)
+        stream.synchronize()
+        return out, lse
 
-    thread = threading.Thread(target=work)
-    thread.start()
-    thread.join()
-    (result,) = results
-    assert not isinstance(result, Exception), result
-    out, lse = result
+    out, lse = in_a_thread_with_no_context(step)
     check(out, lse, ref, ref_lse, ref_lp)
     assert torch.equal(problem.k_cache.cpu(), ref_k) and torch.equal(problem.v_cache.cpu(), ref_v), "the appends differ"
 

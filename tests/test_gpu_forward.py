@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import run_prebuilt
+from conftest import in_a_thread_with_no_context, run_prebuilt
 
 import flashgen
 from flashgen import tuning
@@ -260,32 +260,20 @@ def test_tensor_maps_are_encoded_on_a_thread_with_no_current_context():
     """The autograd thread may start a backward with no context current (and each launch puts back
     what it found, none included): the driver encodes a tensor map only under one (else
     CUDA_ERROR_INVALID_CONTEXT), so flashgen makes the tensor's device's current for it."""
-    import threading
-
     from flashgen import plans, runtime
 
     if plans.device_arch(0) != "sm_90a":
         pytest.skip("the Hopper family needs sm_90a")
     q, k, v = make_qkv(1, 2, 2, 333, 333, 128, torch.bfloat16)
-    results = []
 
-    def work():
-        try:
-            runtime.driver().cuCtxSetCurrent(None)
-            descriptor = runtime._encode_tensor_map(k, 64)
-            current = ctypes.c_void_p()
-            runtime.driver().cuCtxGetCurrent(ctypes.byref(current))
-            runtime.driver().cuCtxSetCurrent(None)
-            results.append((descriptor, current.value, flashgen.attention(q, k, v, causal=True)))
-        except Exception as error:  # noqa: BLE001  (reported by the main thread)
-            results.append(error)
+    def encode_then_run():
+        descriptor = runtime._encode_tensor_map(k, 64)
+        current = ctypes.c_void_p()
+        runtime.driver().cuCtxGetCurrent(ctypes.byref(current))
+        runtime.driver().cuCtxSetCurrent(None)
+        return descriptor, current.value, flashgen.attention(q, k, v, causal=True)
 
-    thread = threading.Thread(target=work)
-    thread.start()
-    thread.join()
-    (result,) = results
-    assert not isinstance(result, Exception), result
-    descriptor, current, out = result
+    descriptor, current, out = in_a_thread_with_no_context(encode_then_run)
     assert len(descriptor) == 128 and current is None  # encoded, and the thread keeps no context
     check_against_reference(q, k, v, True, out, flashgen.attention(q, k, v, causal=True, return_lse=True)[1])
 
