@@ -11,6 +11,7 @@ pointers. CuPy is only needed to compile (compile.py).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import threading
@@ -101,14 +102,9 @@ def capture_of(stream: int, device: int) -> int:
     lib = driver()
     status, capture = _local_capture()
     result = lib.cuStreamGetCaptureInfo(ctypes.c_void_p(stream), status[1], capture[1])
-    if result == _INVALID_CONTEXT:  # a thread with none current (the autograd thread may be one): ask in the device's
-        previous = ctypes.c_void_p()
-        lib.cuCtxGetCurrent(ctypes.byref(previous))
-        make_current(device)
-        try:
+    if result == _INVALID_CONTEXT:  # a thread with none current: ask again in the device's
+        with device_context(device):
             result = lib.cuStreamGetCaptureInfo(ctypes.c_void_p(stream), status[1], capture[1])
-        finally:
-            _restore(lib, previous.value, device)
     check(lib, result, "cuStreamGetCaptureInfo")
     return capture[0].value if status[0].value else 0
 
@@ -135,6 +131,21 @@ def make_current(device: int) -> None:
     lib.cuCtxGetCurrent(ctypes.byref(current))
     if current.value != context:
         check(lib, lib.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+
+
+@contextlib.contextmanager
+def device_context(device: int):
+    """`device`'s primary context current for the block, and the thread's own (or none) after it:
+    the driver calls that need one (loading, tensor maps) may come on a thread that has another, or
+    none at all (the autograd thread starts a backward with none)."""
+    lib = driver()
+    previous = ctypes.c_void_p()
+    lib.cuCtxGetCurrent(ctypes.byref(previous))
+    make_current(device)
+    try:
+        yield
+    finally:
+        _restore(lib, previous.value, device)
 
 
 _TENSOR_MAP_DTYPES = {torch.float16: 6, torch.float32: 7, torch.bfloat16: 9}  # CU_TENSOR_MAP_DATA_TYPE_*
@@ -176,21 +187,13 @@ def _encode_tensor_map(t: torch.Tensor, box_rows: int, box_cols: int) -> bytes:
             strides[i] = 16 * max(1, -(-(strides[i - 1] * sizes[i - 1] if i else head_dim * size) // 16))
     descriptor = (ctypes.c_uint64 * 16)()
     lib = driver()
-    # The driver encodes only under a current context, and a thread may have none: the autograd
-    # thread runs a backward with none current until a CUDA runtime call makes PyTorch's current
-    # (and each launch here puts back what it found, none included).
-    previous, device = ctypes.c_void_p(), t.get_device()
-    lib.cuCtxGetCurrent(ctypes.byref(previous))
-    make_current(device)
-    try:
+    with device_context(t.get_device()):  # the driver encodes only under a current context
         check(lib, lib.cuTensorMapEncodeTiled(
             descriptor, _TENSOR_MAP_DTYPES[t.dtype], 4, ctypes.c_void_p(t.data_ptr()),
             (ctypes.c_uint64 * 4)(head_dim, seqlen, heads, batch), (ctypes.c_uint64 * 3)(*strides),
             (ctypes.c_uint32 * 4)(box_cols, box_rows, 1, 1), (ctypes.c_uint32 * 4)(1, 1, 1, 1),
             0, _SWIZZLE_128B, _L2_PROMOTION_128B, _OOB_FILL_ZEROS,
         ), f"encoding a tensor map of shape {tuple(t.shape)}, strides {tuple(t.stride())}")
-    finally:
-        _restore(lib, previous.value, device)
     return bytes(descriptor)
 
 
@@ -205,11 +208,8 @@ class Module:
     def function(self, device: int, symbol: str, smem: int) -> ctypes.c_void_p:
         """The function `symbol` on `device`, allowed `smem` bytes of dynamic shared memory."""
         lib = driver()
-        previous = ctypes.c_void_p()
-        lib.cuCtxGetCurrent(ctypes.byref(previous))
-        try:
+        with device_context(device):
             with _lock:
-                make_current(device)
                 module = self._handles.get(device)
                 if module is None:
                     handle = ctypes.c_void_p()
@@ -221,8 +221,6 @@ class Module:
                   f"allowing {symbol} {smem} bytes of shared memory on device {device}")
             # The largest shared-memory carve-out, so that two blocks fit on one SM.
             check(lib, lib.cuFuncSetAttribute(function, _SMEM_CARVEOUT, 100), f"setting {symbol}'s shared-memory carve-out")
-        finally:
-            _restore(lib, previous.value, device)
         return function
 
 

@@ -155,6 +155,30 @@ def test_a_tensor_map_is_encoded_under_its_devices_context(monkeypatch):
     assert during == [0x100, 0x100] and stub.current == 0x100
 
 
+def test_a_module_loads_in_its_devices_context_once(monkeypatch):
+    """Loading and the function's attributes run under the device's context (a thread may have
+    none, or another device's); the thread gets its own back, and a second function is not loaded again."""
+    stub = ContextStub(current=0x300)  # another device's context is current
+    calls = []
+
+    def record(name, result=0):
+        def call(*args):
+            calls.append((name, stub.current))
+            if name == "load":
+                args[0]._obj.value = 0x55
+            return result
+        return call
+
+    stub.cuModuleLoadData, stub.cuModuleGetFunction, stub.cuFuncSetAttribute = record("load"), record("find"), record("attribute")
+    monkeypatch.setattr(runtime, "driver", lambda: stub)
+    monkeypatch.setattr(runtime, "_contexts", {0: 0x100, 1: 0x300})
+    module = runtime.Module(b"image", "kernel")
+    module.function(0, "a", 1024)
+    module.function(0, "b", 1024)
+    assert [name for name, _ in calls] == ["load", "find", "attribute", "attribute", "find", "attribute", "attribute"]
+    assert {context for _, context in calls} == {0x100} and stub.current == 0x300
+
+
 def test_the_default_stream_is_never_asked_for_a_capture(monkeypatch):
     """The legacy default stream (0) cannot be captured: no driver call (which would need a current
     context) for the common eager case."""
