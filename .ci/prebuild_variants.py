@@ -1,7 +1,10 @@
 """Compile, in parallel, the kernels the GPU tests of the variants and user rules run (the tables'
 picks for their fields), so that the tests find them in the cache instead of compiling one by one.
-Usage (GPU machine): python3 .ci/prebuild_variants.py (from anywhere: it imports this checkout's flashgen)"""
+The tests read FLASHGEN_TEST_CACHE (or a fresh cache of their own): this fills that directory.
+Usage (GPU machine): FLASHGEN_TEST_CACHE=DIR python3 .ci/prebuild_variants.py, then the tests with the
+same FLASHGEN_TEST_CACHE (from anywhere: it imports this checkout's flashgen)"""
 
+import os
 import sys
 import tempfile
 import time
@@ -18,6 +21,9 @@ from flashgen import tuning  # noqa: E402
 from flashgen.plans import device_arch  # noqa: E402
 
 def main():
+    if not os.environ.get("FLASHGEN_TEST_CACHE"):
+        sys.exit("set FLASHGEN_TEST_CACHE to the directory the tests will read (they never read the default cache)")
+    os.environ["FLASHGEN_CACHE_DIR"] = os.environ["FLASHGEN_TEST_CACHE"]  # the build workers inherit it
     arch = device_arch(0)
     flags = [("window",), ("softcap",), ("alibi",), ("window", "softcap"), ("window", "softcap", "alibi")]
     cuda = torch.device("cuda")
