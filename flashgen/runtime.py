@@ -234,15 +234,11 @@ def launch(function, x: int, y: int, z: int, threads: int, smem: int, device: in
     lib = driver()
     _, _, current, current_ref = slot
     lib.cuCtxGetCurrent(current_ref)
-    previous = current.value
-    if previous != _contexts[device]:  # PyTorch's context for this device is usually current
-        make_current(device)
-        try:
-            _launch(lib, function, x, y, z, threads, smem, device, pointers, name, dependent)
-        finally:
-            _restore(lib, previous, device)  # the caller's device stays PyTorch's current one
+    if current.value == _contexts[device]:  # PyTorch's context for this device is usually current
+        _launch(lib, function, x, y, z, threads, smem, device, pointers, name, dependent)
         return
-    _launch(lib, function, x, y, z, threads, smem, device, pointers, name, dependent)
+    with device_context(device):  # the caller's (or none) comes back after: its device stays PyTorch's current one
+        _launch(lib, function, x, y, z, threads, smem, device, pointers, name, dependent)
 
 
 def _restore(lib, previous, device: int) -> None:
