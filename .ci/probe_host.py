@@ -7,12 +7,17 @@ then a cProfile of the step. The same for the forward's host-overhead row (1x1x1
 Usage: python3 .ci/probe_host.py [calls]   (needs a GPU; about 30 s)
 """
 
-import cProfile
-import ctypes
-import io
-import pstats
+import os
 import sys
-import time
+
+# .ci/profile.py would shadow the standard library's profile module, which cProfile imports.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+import cProfile  # noqa: E402
+import ctypes  # noqa: E402
+import io  # noqa: E402
+import pstats  # noqa: E402
+import time  # noqa: E402
 
 import torch
 import torch.nn.functional as F

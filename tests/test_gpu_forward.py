@@ -267,7 +267,7 @@ def test_tensor_maps_are_encoded_on_a_thread_with_no_current_context():
     q, k, v = make_qkv(1, 2, 2, 333, 333, 128, torch.bfloat16)
 
     def encode_then_run():
-        descriptor = runtime._encode_tensor_map(k, 64)
+        descriptor = runtime._encode_tensor_map(k, 64, 64)
         current = ctypes.c_void_p()
         runtime.driver().cuCtxGetCurrent(ctypes.byref(current))
         runtime.driver().cuCtxSetCurrent(None)
