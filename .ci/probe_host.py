@@ -14,6 +14,7 @@ import sys
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 import cProfile  # noqa: E402
+import copy  # noqa: E402
 import ctypes  # noqa: E402
 import io  # noqa: E402
 import pstats  # noqa: E402
@@ -64,6 +65,8 @@ def main():
     vals = values()
     plan.run(0, vals)  # vals gains the plan's scratch (partials, counts), which kernel.launch below needs
     kernel = plan.kernels[0]
+    no_pdl = copy.copy(kernel)
+    no_pdl.dependent = False  # cuLaunchKernel instead of cuLaunchKernelEx with its attribute
     slot = runtime.launch_slot()
     lib = runtime.driver()
     ref = slot[3]
@@ -78,6 +81,7 @@ def main():
         "    workspace.where": lambda: workspace.where(0),
         "    kernel pack": lambda: kernel._pack(slot[0], vals),
         "    kernel.launch": lambda: kernel.launch(0, vals),
+        "    kernel.launch, no dependent launch": lambda: no_pdl.launch(0, vals),
         "    cuCtxGetCurrent": lambda: lib.cuCtxGetCurrent(ref),
         "    current raw stream": lambda: runtime._current_stream(0),
         "    capture_of": lambda: runtime.capture_of(runtime._current_stream(0), 0),
