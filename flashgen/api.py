@@ -91,7 +91,8 @@ def backward_impl(d_o, q, k, v, o, lse, d_lse, causal: bool, scale: float, deter
         return dq.zero_(), dk.zero_(), dv.zero_()
     device = q.get_device()
     values = {name: aligned(t) for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("d_o", d_o))}
-    values.update(lse=lse.contiguous(), d_lse=None if d_lse is None else d_lse.contiguous(), dq=dq, dk=dk, dv=dv, scale=scale)
+    values.update(lse=lse.contiguous(), d_lse=None if d_lse is None else d_lse.contiguous(), dq=dq, dk=dk, dv=dv, scale=scale,
+                  dq_accum=None)  # the plan's scratch replaces it where a kernel adds dQ into an fp32 sum
     fields = ()
     if variant and variant != PLAIN_ARGS:
         fields, more = _variant_values(q, k, causal, *variant)

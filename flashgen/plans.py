@@ -26,14 +26,13 @@ DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 @dataclass(frozen=True)
 class Scratch:
-    """A buffer the plan allocates per call: its shape from the call's values. Or, from
-    flashgen/workspace.py instead, per stream: `counts`, int32 counts that the kernel leaves at
+    """A buffer the plan allocates per call, uninitialized: its shape from the call's values. Or,
+    from flashgen/workspace.py instead, per stream: `counts`, int32 counts that the kernel leaves at
     zero; `reused`, flat scratch the kernel fills before it reads it."""
 
     name: str
     shape: Callable[[dict], tuple]
     dtype: torch.dtype = torch.float32
-    zeroed: bool = False
     counts: bool = False
     reused: bool = False
 
@@ -83,8 +82,7 @@ class Plan:
                 values[buffer.name] = (workspace.counts(device, *stream, size, place) if buffer.counts
                                        else workspace.scratch(device, *stream, buffer.name, size, buffer.dtype, place))
                 continue
-            make = torch.zeros if buffer.zeroed else torch.empty
-            values[buffer.name] = make(buffer.shape(values), dtype=buffer.dtype, device=place)
+            values[buffer.name] = torch.empty(buffer.shape(values), dtype=buffer.dtype, device=place)
         batch, heads = (0, 0) if self.whole else values["q"].shape[:2]
         parts = (values,) if batch <= MAX_GRID_YZ and heads <= MAX_GRID_YZ else self.slices(values)
         for part in parts:
@@ -170,13 +168,13 @@ def _dq_adder(specs: list[KernelSpec]) -> KernelSpec | None:
 
 
 def _sum_dq(specs: list[KernelSpec], scratch: list, steps: list) -> None:
-    """Where a backward kernel adds dQ into an fp32 sum: the zeroed buffer in its family's layout,
-    and the last step, which reads the sum back into dq (on the host, or by its family's reader
-    kernel)."""
+    """Where a backward kernel adds dQ into an fp32 sum: the buffer in its family's layout (the
+    prep, the plan's first kernel, writes its zeros), and the last step, which reads the sum back
+    into dq (on the host, or by its family's reader kernel)."""
     spec = _dq_adder(specs)
     if spec is not None:
         family = spec.family
-        scratch.append(Scratch("dq_accum", lambda values: family.dq_accum_shape(spec, values), zeroed=True))
+        scratch.append(Scratch("dq_accum", lambda values: family.dq_accum_shape(spec, values)))
         reader = family.dq_reader(spec)
         steps.append(Launch(kernels.get(reader)) if reader else Convert(spec))
 

@@ -65,6 +65,7 @@ def backward_impl(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, max_s
     values = {name: aligned(t) for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("d_o", d_o))}
     values.update(
         lse=lse.contiguous(), d_lse=None if d_lse is None else d_lse.contiguous(), dq=dq, dk=dk, dv=dv, scale=scale,
+        dq_accum=None,  # the plan's scratch replaces it where a kernel adds dQ into an fp32 sum
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=min(max_seqlen_q, q.shape[0]), max_seqlen_k=min(max_seqlen_k, k.shape[0]), **variant_values,
     )

@@ -287,7 +287,7 @@ def test_backward_plan_wires_prep_kernels_and_scratch(driver, stub_kernels, stub
     forward = KernelSpec(head_dim=d, causal=True, arch=arch).canonical()
     plan = plans.backward(-1, d, torch.bfloat16, True, deterministic, forward)
     values = dict(q=q, k=q, v=q, o=q, d_o=q, lse=torch.zeros(batch, heads, seqlen), d_lse=None,
-                  dq=dq, dk=dk, dv=dv, scale=0.125)
+                  dq=dq, dk=dk, dv=dv, scale=0.125, dq_accum=None)
     plan.run(-1, values)
 
     kinds = [step.kernel.spec.kind for step in plan.steps if isinstance(step, plans.Launch)]
@@ -305,10 +305,13 @@ def test_backward_plan_wires_prep_kernels_and_scratch(driver, stub_kernels, stub
         for name, tensor, rows in (("q_map", q, spec.block_m), ("do_map", q, spec.block_m), ("dk_map", dk, 64), ("dv_map", dv, 64)):
             assert main[name] == tensor.data_ptr().to_bytes(8, "little") * 15 + rows.to_bytes(8, "little"), name
     if deterministic:
-        assert "dq_accum" not in values and unpack(plan.kernels[2].spec, others[1]["params"])["dq"] == dq.data_ptr()
+        assert values["dq_accum"] is None and unpack(plan.kernels[2].spec, others[1]["params"])["dq"] == dq.data_ptr()
+        assert prep_values["dq_accum"] == prep_values["dq_accum_size"] == 0  # no sum to zero
     else:
         accum = values["dq_accum"]
         assert accum.dtype == torch.float32 and accum.numel() >= q.numel()
+        # the prep writes the sum's zeros (no fill of its own): all of it, whatever its layout
+        assert prep_values["dq_accum"] == accum.data_ptr() and prep_values["dq_accum_size"] == accum.numel()
         if arch == "sm_90a":  # added into through TMA reductions: a tensor map of it, 64-row boxes
             assert main["dq_map"] == accum.data_ptr().to_bytes(8, "little") * 15 + (64).to_bytes(8, "little")
         else:

@@ -161,7 +161,7 @@ def test_the_varlen_hopper_backward_reads_its_dq_back_with_a_kernel(driver, stub
     plan = plans.backward_varlen(-1, d, torch.bfloat16, True, False, forward)
     assert [k.spec.kind for k in plan.kernels] == ["bwd_prep", "bwd_sm90_kvq", "bwd_dq_sm90"]
     dq, dk, dv = (torch.empty_like(q) for _ in range(3))
-    values = dict(q=q, k=q, v=q, o=q, d_o=q, lse=torch.zeros(heads, len(q)), d_lse=None, dq=dq, dk=dk, dv=dv,
+    values = dict(q=q, k=q, v=q, o=q, d_o=q, lse=torch.zeros(heads, len(q)), d_lse=None, dq=dq, dk=dk, dv=dv, dq_accum=None,
                   scale=0.125, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=257, max_seqlen_k=257)
     plan.run(-1, values)
     padded_q = padded_varlen(len(q), 3)
@@ -171,6 +171,8 @@ def test_the_varlen_hopper_backward_reads_its_dq_back_with_a_kernel(driver, stub
     accum = values["dq_accum"].data_ptr()
     assert reader["dq_accum"] == accum and main["dq_map"] == accum.to_bytes(8, "little") * 15 + (64).to_bytes(8, "little")
     assert reader["dq"] == dq.data_ptr() and reader["padded_q"] == padded_q and reader["total_q"] == len(q)
+    prep = unpack(plan.kernels[0].spec, driver.launches[0]["params"])  # which writes the sum's zeros, all of it
+    assert prep["dq_accum"] == accum and prep["dq_accum_size"] == values["dq_accum"].numel()
     assert driver.launches[2]["grid"] == (-(-257 // 64), heads, 3)  # 64-row pieces of the longest sequence
     with pytest.raises(SpecError, match="varlen=False: a bwd_dq_sm90 kernel reads back the varlen layout only"):
         KernelSpec(head_dim=d, kind="bwd_dq_sm90")
@@ -273,7 +275,7 @@ def test_backward_plan_scratch_is_laid_out_by_sequence(driver, stub_kernels, stu
     dq, dk, dv = (torch.empty_like(q) for _ in range(3))
     forward = KernelSpec(head_dim=d, causal=True, varlen=True, arch=arch).canonical()
     plan = plans.backward_varlen(-1, d, torch.bfloat16, True, deterministic, forward)
-    values = dict(q=q, k=q, v=q, o=q, d_o=q, lse=torch.zeros(heads, len(q)), d_lse=None, dq=dq, dk=dk, dv=dv,
+    values = dict(q=q, k=q, v=q, o=q, d_o=q, lse=torch.zeros(heads, len(q)), d_lse=None, dq=dq, dk=dk, dv=dv, dq_accum=None,
                   scale=0.125, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=70_000, max_seqlen_k=70_000)
     plan.run(-1, values)
     assert plan.whole and len(driver.launches) == len(plan.kernels)  # one launch each: no slices

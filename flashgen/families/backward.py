@@ -1,6 +1,7 @@
 """The backward (FlashAttention-2's algorithm), in three families:
 
-- BackwardPrep (bwd_prep): delta = rowsum(dO * O) and the base-2 log-sum-exp, per query row.
+- BackwardPrep (bwd_prep): delta = rowsum(dO * O) and the base-2 log-sum-exp, per query row; and
+  zeros in the fp32 dQ sum that a backward kernel adds into, so that it needs no launch of its own.
 - KeyMajorBackward (bwd_kvq, bwd_kv, bwd_kq, bwd_k, bwd_v): one block per BLOCK_N keys walks the
   query tiles, writes dK and/or dV, and with a "q" adds dQ into an fp32 buffer with atomics. On
   sm_90a, blocks whose warps own 16 keys run their products on warpgroup MMA (wgmma).
@@ -37,7 +38,7 @@ class BackwardPrep(Family):
     kinds = ("bwd_prep",)
     template = "attention_bwd_prep.cu.j2"
     fields = ("head_dim", "dtype", "arch", "varlen")
-    arguments = ("o", "d_o", "lse", "d_lse", "delta", "lse_log2", "cu_seqlens_q", "max_seqlen_q")
+    arguments = ("o", "d_o", "lse", "d_lse", "delta", "lse_log2", "dq_accum", "cu_seqlens_q", "max_seqlen_q")
 
     def threads(self, spec: KernelSpec) -> int:
         return 128
@@ -54,6 +55,7 @@ class BackwardPrep(Family):
                 pointer("lse", "const float*"),  # [heads, total_q]
                 pointer("d_lse", "const float*", optional=True),  # the same layout, or null
                 pointer("delta", "float*"), pointer("lse_log2", "float*"),  # [heads, padded_q]
+                *zeroed_sum(),
                 pointer("cu_seqlens_q", "const int*"),
                 scalar("total_q", "int", "o.shape[0]"),
                 scalar("padded_q", "int", "delta.shape[1]"),
@@ -63,6 +65,7 @@ class BackwardPrep(Family):
             pointer("lse", "const float*"),  # [batch, heads, seqlen_q]
             pointer("d_lse", "const float*", optional=True),  # the same layout, or null
             pointer("delta", "float*"), pointer("lse_log2", "float*"),  # [batch, heads, padded_q]
+            *zeroed_sum(),
             scalar("seqlen_q", "int", "o.shape[2]"),
             scalar("padded_q", "int", "delta.shape[2]"),
             scalar("heads", "int", "o.shape[1]"),
@@ -76,6 +79,13 @@ class BackwardPrep(Family):
 
     def context(self, spec: KernelSpec) -> dict:
         return {**super().context(spec), "lanes": self.lanes(spec), "stats_pad": STATS_PAD, "keys": False}
+
+
+def zeroed_sum() -> list:
+    """The fp32 dQ sum the plan's backward kernel adds into (contiguous, in its family's layout; None
+    when no kernel does), which the prep's blocks fill with zeros between them."""
+    return [pointer("dq_accum", "float*", optional=True),
+            scalar("dq_accum_size", "i64", "0 if dq_accum is None else dq_accum.numel()")]
 
 
 class _BackwardTiles(MmaTiles):

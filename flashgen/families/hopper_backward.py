@@ -226,7 +226,7 @@ class HopperBackward(Family):
             tensormap("dk_map", "tensor_map(dk, 64)"),
             tensormap("dv_map", "tensor_map(dv, 64)"),
         ]
-        if self.has_dq(spec):  # the fp32 dQ sum (dq_accum_shape(); zeroed), added into through TMA reductions
+        if self.has_dq(spec):  # the fp32 dQ sum (dq_accum_shape(); zeroed by the prep), added into through TMA reductions
             maps.append(tensormap("dq_map", f"tensor_map(dq_accum, {PIECE}, {DQ_BOX_COLUMNS})"))
         common = [
             scalar("kv_group", "int", "q.shape[1] // k.shape[1]"),
