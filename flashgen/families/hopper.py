@@ -76,7 +76,7 @@ class HopperForward(Family):
         check_rules_fixed_length(spec)
         if spec.varlen and spec.persistent:
             raise SpecError("varlen=True, persistent=True: the varlen Hopper forward runs one tile per CTA (persistent=False)")
-        held = spec.block_n // 2 + self.head_dim_pad(spec) // 2 + spec.block_n // 4
+        held = self.accumulators(spec)
         limit = MAX_ACCUMULATORS[self.consumers(spec)]
         if held > limit:
             raise SpecError(
@@ -93,6 +93,20 @@ class HopperForward(Family):
                     f"{', '.join(rules + on)}: each consumer thread would hold {held} registers of accumulators and "
                     f"{margin} for the rules and variants; at most {limit} fit (use a smaller block_n, or block_m=128)"
                 )
+
+    def accumulators(self, spec: KernelSpec) -> int:
+        """Registers a consumer thread holds in S, O and P (packed)."""
+        return spec.block_n // 2 + self.head_dim_pad(spec) // 2 + spec.block_n // 4
+
+    def q_in_registers(self, spec: KernelSpec) -> bool:
+        """Whether each consumer keeps its rows of Q in registers (a quarter of the padded head dim
+        a thread) as S = Q K^T's register operand: where they fit beside the accumulators and what
+        the variants take, and no user rule runs (its values live beside S)."""
+        on = [field for field in variants.FIELDS if getattr(spec, field)]
+        if spec.score_mod or spec.mask_mod:
+            return False
+        held = self.accumulators(spec) + self.head_dim_pad(spec) // 4 + VARIANT_REGISTERS * len(on)
+        return held <= MAX_ACCUMULATORS[self.consumers(spec)]
 
     def threads(self, spec: KernelSpec) -> int:
         return 128 * (self.consumers(spec) + 1)
@@ -149,7 +163,7 @@ class HopperForward(Family):
         return f"(-(-q.shape[2] // {spec.block_m}), q.shape[1], q.shape[0])"
 
     def context(self, spec: KernelSpec) -> dict:
-        context = {**super().context(spec), "wgmma": True}
+        context = {**super().context(spec), "wgmma": True, "q_in_regs": self.q_in_registers(spec)}
         if spec.mask_mod:
             context.update(block_mask_lists(key_major=False))
         return context
