@@ -17,6 +17,10 @@ from .forward import PACKED, forward_outputs_and_sizes
 # Registers a consumer thread may hold in accumulators (S, O, and P packed), by consumer
 # warpgroups: setmaxnreg gives each 240 (two consumers) or 160 (three) registers.
 MAX_ACCUMULATORS = {2: 200, 3: 128}
+# The same with each consumer's rows of Q held as S = Q K^T's register operand (a quarter of the
+# padded head dim a thread): calibrated on the CPU compile sweep (128 x 144 at d = 128 and 128 x 192
+# at d = 64 compile without spills, the next block_n up spills). Three consumers have no room.
+MAX_WITH_Q = {2: 208, 3: 0}
 # What a user rule takes beside them (its tensors' addresses, the values its expression holds per
 # element), and each built-in variant once a rule is on (base.VARIANT_REGISTERS): calibrated on the
 # CPU compile sweep (tests/test_variants.py), past which the kernels spilled.
@@ -106,7 +110,7 @@ class HopperForward(Family):
         if spec.score_mod or spec.mask_mod:
             return False
         held = self.accumulators(spec) + self.head_dim_pad(spec) // 4 + VARIANT_REGISTERS * len(on)
-        return held <= MAX_ACCUMULATORS[self.consumers(spec)]
+        return held <= MAX_WITH_Q[self.consumers(spec)]
 
     def threads(self, spec: KernelSpec) -> int:
         return 128 * (self.consumers(spec) + 1)
