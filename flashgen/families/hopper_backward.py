@@ -118,18 +118,6 @@ class HopperBackward(Family):
         return spec.block_n == 64
 
     @staticmethod
-    def key_register_steps(spec: KernelSpec) -> int:
-        """k16 steps of K each consumer holds in registers as S^T = K Q^T's register operand (the
-        rest is read from shared memory each step): all of them at head dims up to 64, two above
-        (more spilled at d = 96 and 128 on the CPU compile sweep); none in the split layout, in
-        varlen (whose sequence offsets took the room: even two steps spilled with causal), or with a
-        variant or rule, whose registers are spoken for."""
-        if HopperBackward.split(spec) or spec.varlen or spec.score_mod or spec.mask_mod or any(getattr(spec, f) for f in variants.FIELDS):
-            return 0
-        pad = HopperBackward.head_dim_pad(spec)
-        return pad // 16 if pad <= 64 else 2
-
-    @staticmethod
     def consumers(spec: KernelSpec) -> int:
         return 2
 
@@ -275,7 +263,7 @@ class HopperBackward(Family):
     def context(self, spec: KernelSpec) -> dict:
         return {**super().context(spec), "wgmma": True, "has_dq": self.has_dq(spec), "stats_pad": STATS_PAD,
                 "head_dim_pad": self.head_dim_pad(spec), "split": self.split(spec), "do_stages": self.do_stages(spec),
-                "capped_first": capped_first(spec), "k_reg_steps": self.key_register_steps(spec),
+                "capped_first": capped_first(spec),
                 # finish_before_wait after P^T: with a mask rule's per-element test ahead of the dP^T
                 # wait too, bwd_sm90_kv spilled at d = 96 and 128 (CPU compile sweep)
                 "p_under_dp": not spec.mask_mod or self.head_dim_pad(spec) <= 64,
