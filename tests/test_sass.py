@@ -125,3 +125,19 @@ def test_a_mask_rule_is_tested_without_a_branch_per_element(spec, tmp_path):
     at least one divergence region (BSSY) per element of a thread's tile."""
     elements = (spec.block_n if spec.kind == "fwd_sm90" else spec.block_m) // 2
     assert sum(op.startswith("BSSY") for op in sass(spec, tmp_path)) < elements
+
+
+@pytest.mark.parametrize("spec", FORWARD, ids=lambda spec: spec.name)
+def test_the_hopper_forward_reads_q_from_registers_where_it_fits(spec, tmp_path):
+    """Two consumer warpgroups (d = 128) hold their rows of Q in registers: every QK^T takes its A
+    operand from registers (so it reads only K from shared memory), and Q is read into them once a
+    tile, one ldmatrix.x4 per k16 step of the head dim. Three consumers (d = 64's 192 x 128) have no room and read Q from shared memory."""
+    instructions = sass(spec, tmp_path)
+    products = [op for op in instructions if op.startswith("HGMMA")]
+    # S = Q K^T has K-major operands, O += P V a transposed B (tnspB); A from registers is named R<n>
+    scores = [op for op in products if "tnspB" not in op]
+    in_registers = spec.family.q_in_registers(spec)
+    assert in_registers == (spec.block_m == 128)
+    steps = spec.family.head_dim_pad(spec) // 16
+    assert scores and all(bool(re.match(r"HGMMA\S+ R\d+, R\d+, gdesc", op)) == in_registers for op in scores)
+    assert sum(op.startswith("LDSM.16.M88.4") for op in instructions) == (steps if in_registers else 0)
