@@ -4,7 +4,8 @@ three-consumer 192 x 128, which has no room for Q; at d = 128, 128 x 144 against
 `persistent`: the shipped tiles against their persistent versions (Q leaves shared memory as soon
 as it is in registers, so the next tile's Q loads under this one's key loop) at short lengths.
 TFLOPS of each candidate, A B A B in one process, every output checked against the shipped pick.
-Usage: python3 .ci/probe_fwd_tiles.py [tiles|persistent]  (needs a GPU; about two minutes)"""
+`persistent-long`: the same at 8k and 16k, no mask.
+Usage: python3 .ci/probe_fwd_tiles.py [tiles|persistent|persistent-long]  (needs a GPU; about two minutes)"""
 
 import sys
 
@@ -13,19 +14,20 @@ import torch
 import flashgen
 from flashgen import bench, tuning
 
-SETS = {
+PERSISTENT = {64: [(192, 128, False), (192, 128, True)], 128: [(128, 128, False), (128, 128, True)]}
+SETS = {  # candidates by head dim, lengths, masks (causal or not)
     "tiles": ({64: [(192, 128, False), (128, 128, False), (128, 160, False), (128, 192, False)],
-               128: [(128, 128, False), (128, 144, False)]}, (2048, 8192, 16384)),
-    "persistent": ({64: [(192, 128, False), (192, 128, True)], 128: [(128, 128, False), (128, 128, True)]},
-                   (1024, 2048, 4096)),
+               128: [(128, 128, False), (128, 144, False)]}, (2048, 8192, 16384), (False, True)),
+    "persistent": (PERSISTENT, (1024, 2048, 4096), (False, True)),
+    "persistent-long": (PERSISTENT, (8192, 16384), (False,)),
 }
 
 
 def main():
-    tiles_of, seqlens = SETS[sys.argv[1] if len(sys.argv) > 1 else "tiles"]
+    tiles_of, seqlens, masks = SETS[sys.argv[1] if len(sys.argv) > 1 else "tiles"]
     print(torch.cuda.get_device_name())
     for d, tiles in tiles_of.items():
-        for causal in (False, True):
+        for causal in masks:
             for seqlen in seqlens:
                 q, k, v = bench._inputs(seqlen, d)
                 run = lambda: flashgen.attention(q, k, v, causal=causal)  # noqa: E731
