@@ -131,7 +131,8 @@ def test_a_mask_rule_is_tested_without_a_branch_per_element(spec, tmp_path):
 def test_the_hopper_forward_reads_q_from_registers_where_it_fits(spec, tmp_path):
     """Two consumer warpgroups (d = 128) hold their rows of Q in registers: every QK^T takes its A
     operand from registers (so it reads only K from shared memory), and Q is read into them once a
-    tile, one ldmatrix.x4 per k16 step of the head dim. Three consumers (d = 64's 192 x 128) have no room and read Q from shared memory."""
+    tile, one ldmatrix.x4 per k16 step of the head dim. Three consumers (d = 64's 192 x 128) have
+    no room and read Q from shared memory."""
     instructions = sass(spec, tmp_path)
     products = [op for op in instructions if op.startswith("HGMMA")]
     # S = Q K^T has K-major operands, O += P V a transposed B (tnspB); A from registers is named R<n>

@@ -106,9 +106,9 @@ class HopperForward(Family):
         """Whether each consumer keeps its rows of Q in registers (a quarter of the padded head dim
         a thread) as S = Q K^T's register operand: where they fit beside the accumulators and what
         the variants take, and no user rule runs (its values live beside S)."""
-        on = [field for field in variants.FIELDS if getattr(spec, field)]
         if spec.score_mod or spec.mask_mod:
             return False
+        on = [field for field in variants.FIELDS if getattr(spec, field)]
         held = self.accumulators(spec) + self.head_dim_pad(spec) // 4 + VARIANT_REGISTERS * len(on)
         return held <= MAX_WITH_Q[self.consumers(spec)]
 
