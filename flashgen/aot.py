@@ -22,11 +22,10 @@ from pathlib import Path
 
 from . import __version__
 from .cache import cubin_matches, default_cache, write_atomic
-from .compile import Resources
+from .compile import NoJitError, Resources
 from .render import render
 from .spec import SMEM_LIMIT, KernelSpec
-from .tuning import backward_prep, backward_specs
-from .variants import FIELDS
+from .workload import backward_of
 
 MODULE = '''"""flashgen ahead-of-time kernel {name} (flashgen {version}, NVRTC {nvrtc}).
 
@@ -44,14 +43,16 @@ spec = attention.spec
 
 # The package's __init__.py: what generated/__init__.py holds (tracked), and what a build writes
 # into a new folder.
-PACKAGE_INIT = '''"""Ahead-of-time flashgen kernels (see README.md): `from <this package> import <kernel name>`,
-then `<kernel name>.attention(q, k, v)`; or `kernels()` for all of them, by name."""
+PACKAGE_INIT = '''"""Ahead-of-time flashgen kernels (see README.md). `load()` registers every kernel in this folder
+with flashgen, so that flashgen.attention and the other functions run them with no compiler, and
+returns the forward kernels by name; `from <this package> import <kernel name>` imports one of them
+(`<kernel name>.attention(q, k, v)`)."""
 
 from pathlib import Path as _Path
 
 
-def kernels() -> dict:
-    """Every forward kernel in this folder (each loads its backward kernels), by name."""
+def load() -> dict:
+    """flashgen.load(this folder), wherever it is installed."""
     import flashgen
 
     return flashgen.load(_Path(__file__).parent)
@@ -86,17 +87,14 @@ def _write(path: Path, data: bytes) -> None:
 
 
 def with_backward(specs: list[KernelSpec]) -> dict[KernelSpec, tuple[str, ...]]:
-    """Each forward spec with the backward kernels (prep, and both modes) that the tables pick for it."""
+    """Each forward spec with the names of the backward kernels (both modes) that run after it,
+    which are added to the plan too; every other spec with none."""
     plan = {}
     for spec in specs:
         if not spec.family.forward:
             plan.setdefault(spec, ())
             continue
-        picked = [backward_prep(spec.head_dim, spec.dtype, spec.arch)]
-        for deterministic in (False, True):
-            picked += backward_specs(spec.head_dim, spec.dtype, spec.causal, spec.arch, deterministic,
-                                     variant=tuple(field for field in FIELDS if getattr(spec, field)))
-        picked = list(dict.fromkeys(picked))
+        picked = backward_of(spec)
         plan[spec] = tuple(p.name for p in picked)
         for companion in picked:
             plan.setdefault(companion, ())
@@ -235,35 +233,75 @@ def _importable(spec: KernelSpec) -> bool:
 
 
 def load(path) -> PrebuiltKernel | dict[str, PrebuiltKernel]:
-    """Load a forward kernel written by `flashgen build` (its .json, .cubin or .py path, or the
-    stem) and the backward kernels built with it; or, given a build folder, every forward kernel in
-    it, as {name: kernel}. Needs no compiler; touches no GPU until called."""
+    """Load a build folder written by `flashgen build`: every kernel in it becomes the one the
+    runtime runs for its spec (forward, backward, varlen, decode, merge: whatever the build made),
+    and its forward kernels of attention() are returned as {name: kernel}. Or load one forward
+    kernel (its .json, .cubin or .py path, or the stem) and the backward kernels built with it.
+    Needs no compiler; touches no GPU until called."""
     path = Path(path)
     if path.is_dir():
-        # another version's kernels are listed so that load() names the version (their specs may not parse)
-        forwards = [Path(meta["path"]) for meta in built(path)
-                    if meta.get("flashgen") != __version__ or _importable(KernelSpec(**meta["spec"]))]
-        if not forwards:
-            raise FileNotFoundError(
-                f"{path} holds no kernels built by `flashgen build` (a <name>.json with its "
-                f"<name>.cubin); build some with `flashgen build --d 64 --out {path}`"
-            )
-        return {meta_path.stem: load(meta_path) for meta_path in forwards}
+        return _load_folder(path)
     meta_path = path.with_name(path.name.split(".")[0] + ".json")  # kernel names hold no dots
     if not meta_path.exists():
         raise FileNotFoundError(f"{meta_path} does not exist: flashgen.load takes a kernel's .json, .cubin or .py, or a build folder")
     spec, cubin, meta = _read(meta_path)
     if spec.varlen:
-        raise ValueError(f"{spec.name} is a varlen kernel: attention_varlen runs it (prebuilt varlen modules are not supported)")
+        raise ValueError(f"{spec.name} is a varlen kernel: attention_varlen runs it once its folder is loaded "
+                         f"(flashgen.load(\"{meta_path.parent}\"))")
     if not spec.family.forward:
         raise ValueError(
-            f"{spec.name} is a backward piece ({spec.kind}): it loads with the forward kernel it was "
-            f"built for, whose .json names it; load that forward kernel, or the folder"
+            f"{spec.name} is a {spec.kind} kernel, not a forward kernel of attention(): load its folder "
+            f"(flashgen.load(\"{meta_path.parent}\")), which registers every kernel in it"
         )
-    smem_bytes = spec.smem_bytes
+    companions = {}
     for name in meta.get("backward", []):
         companion, companion_cubin, _ = _read(meta_path.with_name(name + ".json"))
         _register(companion, companion_cubin)
-        smem_bytes = max(smem_bytes, companion.smem_bytes)
+        companions[name] = companion
     _register(spec, cubin)
+    return _prebuilt(spec, meta, meta_path, companions)
+
+
+def _load_folder(folder: Path) -> dict[str, PrebuiltKernel]:
+    metas = built(folder)
+    if not metas:
+        raise FileNotFoundError(
+            f"{folder} holds no kernels built by `flashgen build` (a <name>.json with its "
+            f"<name>.cubin); build some with `flashgen build --d 64 --out {folder}`"
+        )
+    read = {}
+    for meta in metas:  # every kernel checked (version, checksum) before any is registered
+        meta_path = Path(meta["path"])
+        read[meta_path.stem] = (*_read(meta_path), meta_path)
+    for spec, cubin, _, _ in read.values():
+        _register(spec, cubin)
+    if folder.resolve() not in LOADED_FOLDERS:
+        LOADED_FOLDERS.append(folder.resolve())
+    by_name = {name: spec for name, (spec, *_) in read.items()}
+    return {name: _prebuilt(spec, meta, meta_path, {n: by_name[n] for n in meta.get("backward", []) if n in by_name})
+            for name, (spec, _, meta, meta_path) in read.items() if _importable(spec)}
+
+
+def _prebuilt(spec: KernelSpec, meta: dict, meta_path: Path, companions: dict[str, KernelSpec]) -> PrebuiltKernel:
+    smem_bytes = max([spec.smem_bytes, *(companion.smem_bytes for companion in companions.values())])
     return PrebuiltKernel(spec, meta, meta_path, smem_bytes)
+
+
+LOADED_FOLDERS: list[Path] = []  # the build folders this process loaded: where a missing kernel belongs
+
+
+def missing_kernel(spec: KernelSpec) -> NoJitError:
+    """The error for a kernel that is neither prebuilt nor in the cache under FLASHGEN_NO_JIT: its
+    name, and the command that builds it into the folder this process loads."""
+    from .workload import RECORD_ENV, command
+
+    folder = str(LOADED_FOLDERS[-1]) if LOADED_FOLDERS else "generated"
+    loaded = (f"the folders this process loaded ({', '.join(map(str, LOADED_FOLDERS))}) do not hold it"
+              if LOADED_FOLDERS else "no build folder is loaded (flashgen.load)")
+    return NoJitError(
+        f"kernel {spec.name} is not prebuilt and FLASHGEN_NO_JIT is set; {loaded}. Build it with\n"
+        f"    {command(spec, folder)}\n"
+        f"and load the folder with flashgen.load({folder!r}) before the first call (to build every kernel an "
+        f"application uses, run it once with {RECORD_ENV}=kernels.jsonl, then `flashgen build --from kernels.jsonl`), "
+        f"or unset FLASHGEN_NO_JIT"
+    )

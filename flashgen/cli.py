@@ -58,12 +58,14 @@ def _words(choices):
 
 
 def spec_options(multiple: bool):
-    """The options that describe a KernelSpec; with multiple=True each takes comma lists."""
+    """The options that describe a KernelSpec; with multiple=True (build) each takes comma lists,
+    and --variant may be given once per combination of variants the workload calls."""
     many = " (comma-separated list)" if multiple else ""
 
     def decorate(fn):
         options = [
-            click.option("--d", "head_dims", required=True, callback=_ints, help=f"head dim{many}"),
+            click.option("--d", "head_dims", required=not multiple, callback=_ints,
+                         help=f"head dim{many}" + (" (not with --from / --spec)" if multiple else "")),
             click.option("--block", "blocks_m", callback=_ints, help=f"query rows per block (block_m){many}; default: tuned"),
             click.option("--block-n", "blocks_n", callback=_ints, help=f"key rows per stage{many}; default: tuned"),
             click.option("--warps", "warps", callback=_ints, help=f"warps per block{many}; default: tuned"),
@@ -75,18 +77,34 @@ def spec_options(multiple: bool):
             click.option("--no-causal", "no_causal", is_flag=True, help="same as --causal no"),
             click.option("--arch", "archs", default="sm_90a", show_default=True,
                          callback=_words(ARCHS), help="compile target(s)"),
-            click.option("--variant", "variant", default=None, callback=_words(VARIANTS),
-                         help=f"attention variants the kernels have, comma-separated: {', '.join(VARIANTS)}"),
         ]
-        if not multiple:  # (show's --kind picks a decode kind; build makes attention's kernels, which take no rotary)
-            options.append(click.option("--rotary", default=None, type=click.Choice(ROTARY_STYLES),
-                                        help="rotary embedding of q and the appended keys (decode kinds: "
-                                             "flash_attn_with_kvcache's tables)"))
+        if multiple:
+            options.append(click.option(
+                "--variant", "variant", multiple=True, callback=_variants,
+                help=f"a combination of attention variants the calls use, comma-separated ({', '.join(VARIANTS)}), or "
+                     f"none; repeat it for each combination (--variant none --variant window,softcap); default: none"))
+        else:  # (show's --kind picks a decode kind; its --rotary turns q and the appended keys)
+            options += [
+                click.option("--variant", "variant", default=None, callback=_words(VARIANTS),
+                             help=f"attention variants the kernel has, comma-separated: {', '.join(VARIANTS)}"),
+                click.option("--rotary", default=None, type=click.Choice(ROTARY_STYLES),
+                             help="rotary embedding of q and the appended keys (decode kinds: "
+                                  "flash_attn_with_kvcache's tables)"),
+            ]
         for option in reversed(options):
             fn = option(fn)
         return fn
 
     return decorate
+
+
+def _variants(ctx, param, values):
+    """--variant, once per combination: each a comma list of variant fields, or none (plain)."""
+    combos = []
+    for value in values or ("none",):
+        fields = () if value.strip() == "none" else tuple(_words(VARIANTS)(ctx, param, value))
+        combos.append(tuple(field for field in VARIANTS if field in fields))
+    return list(dict.fromkeys(combos))
 
 
 def specs_from_options(head_dims, blocks_m, blocks_n, warps, stages, dtypes, causal, no_causal, archs, variant=None,
@@ -135,31 +153,104 @@ def main():
     """flashgen: exact FlashAttention kernels generated for each head size, dtype, tile and mask."""
 
 
+def _entries(ctx, param, value):
+    from .workload import ENTRIES
+
+    words = [word.strip() for word in str(value).split(",")]
+    return list(ENTRIES) if "all" in words else _words(ENTRIES)(ctx, param, value)
+
+
 @main.command()
 @spec_options(multiple=True)
+@click.option("--entry", "entries", default="attention", show_default=True, callback=_entries,
+              help="the functions the deployment calls, comma-separated: attention (flashgen.attention), varlen "
+                   "(attention_varlen), kvcache (attention_with_kvcache), merge (merge_attention_states), or all")
+@click.option("--kvcache", "layouts", default="contiguous,paged", show_default=True,
+              callback=_words(("contiguous", "paged")),
+              help="KV cache layouts of kvcache calls (one kernel serves every page size and split count); paged "
+                   "also makes varlen's kernels over a block table")
+@click.option("--rotary", default="none", show_default=True, callback=_words(("none", *ROTARY_STYLES)),
+              help="rotary styles of kvcache calls, comma-separated: none, interleaved (GPT-J), halves (GPT-NeoX)")
+@click.option("--from", "recorded", type=click.Path(dir_okay=False),
+              help="build exactly the kernels a run recorded with FLASHGEN_RECORD=FILE (not with --d)")
+@click.option("--spec", "spec_texts", multiple=True,
+              help="build this spec, its canonical JSON (as a NoJitError prints it); repeatable (not with --d)")
+@click.option("--dry-run", is_flag=True, help="list the kernels the build would make, compile nothing")
 @click.option("--out", default="generated", show_default=True, type=click.Path(file_okay=False),
               help="folder for the .cu, .cubin, .json and .py of each kernel")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
               help="parallel compile processes (default: one per core)")
 @click.option("--with-backward/--no-backward", default=True, show_default=True,
-              help="also build the backward kernels (fast and deterministic) of each forward kernel")
-def build(out, jobs, with_backward, **options):
-    """Compile kernels ahead of time into an importable folder."""
+              help="also build the backward kernels (fast and deterministic) of attention and varlen")
+def build(out, jobs, with_backward, entries, layouts, rotary, recorded, spec_texts, dry_run, **options):
+    """Compile kernels ahead of time into a folder a deployment loads with flashgen.load(FOLDER).
+
+    By default it makes every kernel flashgen.attention can pick for the head dims, dtypes and masks
+    given (short and long queries), forward and backward; --entry, --variant, --kvcache and --rotary
+    describe the rest of a workload. A user's score or mask rule is built from a recorded run
+    (--from). Under FLASHGEN_NO_JIT=1 a kernel the folder lacks raises NoJitError with the command
+    that builds it.
+    """
     from . import aot
 
     try:
-        specs = specs_from_options(**options)
-        plan = aot.with_backward(specs) if with_backward else specs
+        specs = _build_specs(entries, layouts, rotary, recorded, spec_texts, with_backward, options)
+        backward = with_backward and not (recorded or spec_texts)
+        plan = aot.with_backward(specs) if backward else specs
     except SpecError as error:
         _fail(error)
+    if dry_run:
+        click.echo(f"{len(plan)} kernel(s) for {out}/")
+        for spec in sorted(plan, key=lambda spec: spec.name):
+            click.echo(f"  {spec.name}")
+        return
     try:
         with Progress(console=errors, transient=True) as progress:
             task = progress.add_task(f"compiling {len(plan)} kernel(s)", total=len(plan))
-            metas = aot.build(specs, Path(out), jobs=jobs, backward=with_backward,
+            metas = aot.build(specs, Path(out), jobs=jobs, backward=backward,
                               progress=lambda meta: progress.advance(task))
     except Exception as error:  # CompileError, CacheError: say what and where, no traceback
         _fail(error)
     _print_kernels(metas, f"built into {out}/")
+
+
+def _build_specs(entries, layouts, rotary, recorded, spec_texts, with_backward, options) -> list:
+    """What `build` makes: the recorded or named specs, else the workload its options describe,
+    else (tile options given) the attention forward kernels of those tiles."""
+    from . import workload
+    from .spec import KernelSpec
+
+    if recorded or spec_texts:
+        if options["head_dims"]:
+            raise click.UsageError("--from and --spec build exactly the kernels they name: leave out --d")
+        specs = workload.read_recorded(recorded) if recorded else []
+        for text in spec_texts:
+            try:
+                specs.append(KernelSpec.from_json(text))
+            except (ValueError, TypeError) as error:  # (SpecError is a ValueError)
+                raise SpecError(f"--spec {text[:80]!r}: not a kernel spec's JSON ({error})") from None
+        return list(dict.fromkeys(specs))
+    if not options["head_dims"]:
+        raise click.UsageError("Missing option '--d' (or --from FILE / --spec JSON)")
+    variants = options.pop("variant")
+    if any(options[tiles] for tiles in ("blocks_m", "blocks_n", "warps", "stages")):
+        if entries != ["attention"]:
+            raise click.UsageError("--block, --block-n, --warps and --stages pick attention's forward tiles: "
+                                   "not with --entry " + ",".join(entries))
+        return [spec for variant in variants for spec in specs_from_options(**options, variant=variant)]
+    if options["no_causal"] and options["causal"] != ["no"]:
+        raise click.UsageError("--no-causal contradicts --causal " + ",".join(options["causal"]))
+    if rotary != ["none"] and "kvcache" not in entries:
+        raise click.UsageError("--rotary turns attention_with_kvcache's queries and keys: add --entry kvcache")
+    if len(layouts) < len(workload.LAYOUTS) and not {"kvcache", "varlen"} & set(entries):
+        raise click.UsageError("--kvcache names the caches of attention_with_kvcache and attention_varlen: add "
+                               "--entry kvcache or varlen")
+    return workload.Workload(
+        head_dims=tuple(options["head_dims"]), dtypes=tuple(options["dtypes"]),
+        causal=(False,) if options["no_causal"] else tuple(c == "yes" for c in options["causal"]),
+        archs=tuple(options["archs"]), entries=tuple(entries), variants=tuple(variants), layouts=tuple(layouts),
+        rotary=tuple("" if style == "none" else style for style in rotary), backward=with_backward,
+    ).specs()
 
 
 @main.command(name="list")

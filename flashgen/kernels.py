@@ -14,7 +14,9 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from . import runtime
+from .compile import NoJitError
 from .spec import KernelSpec
+from .workload import RECORD_ENV
 
 _loaded: dict[KernelSpec, Kernel] = {}
 _pending: dict[KernelSpec, Future] = {}
@@ -60,7 +62,9 @@ class Kernel:
 
 def get(spec: KernelSpec) -> Kernel:
     """The loaded kernel for `spec`: from the memo, from a prefetch under way (its compile error,
-    if it failed), or from the cache (built on a miss)."""
+    if it failed), or from the cache (built on a miss). (Plans keep what it returns: it runs
+    once per plan, not per call.)"""
+    record(spec)
     kernel = _loaded.get(spec)
     if kernel is None:
         future = _pending.pop(spec, None)
@@ -73,7 +77,13 @@ def get(spec: KernelSpec) -> Kernel:
 
 
 def _load(spec: KernelSpec, cache, generation: int) -> Kernel:
-    kernel = Kernel(spec, cache.get(spec).cubin)  # built outside the lock, which a fork may copy held
+    try:
+        artifact = cache.get(spec)
+    except NoJitError:  # say which build makes it, and where it goes
+        from .aot import missing_kernel
+
+        raise missing_kernel(spec) from None
+    kernel = Kernel(spec, artifact.cubin)  # built outside the lock, which a fork may copy held
     with _lock:
         if generation != _generation:  # cleared meanwhile: a kernel for the caller, not the memo
             return kernel
@@ -89,11 +99,31 @@ def prefetch(specs) -> None:
     cache = default_cache()
     with _lock:
         for spec in specs:
+            record(spec)
             if spec not in _loaded and spec not in _pending:
                 if _pool is None:
                     _pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="flashgen-compile")
                     _at_exit(_pool)
                 _pending[spec] = _pool.submit(_load, spec, cache, _generation)
+
+
+_recorded: set[tuple[str, KernelSpec]] = set()
+
+
+def record(spec: KernelSpec) -> None:
+    """With FLASHGEN_RECORD=FILE, add the spec to FILE (a line of its canonical JSON, once per
+    process): what `flashgen build --from FILE` makes, so a deployment holds every kernel the
+    recorded run loaded. One write(2) of a line to a file opened for appending, so processes that
+    record into one file at once never interleave their lines."""
+    path = os.environ.get(RECORD_ENV)
+    if not path or (path, spec) in _recorded:
+        return
+    descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(descriptor, (spec.canonical() + "\n").encode())
+    finally:
+        os.close(descriptor)
+    _recorded.add((path, spec))
 
 
 def register(kernel: Kernel) -> Kernel:

@@ -1,11 +1,13 @@
-"""Ahead-of-time flashgen kernels (see README.md): `from <this package> import <kernel name>`,
-then `<kernel name>.attention(q, k, v)`; or `kernels()` for all of them, by name."""
+"""Ahead-of-time flashgen kernels (see README.md). `load()` registers every kernel in this folder
+with flashgen, so that flashgen.attention and the other functions run them with no compiler, and
+returns the forward kernels by name; `from <this package> import <kernel name>` imports one of them
+(`<kernel name>.attention(q, k, v)`)."""
 
 from pathlib import Path as _Path
 
 
-def kernels() -> dict:
-    """Every forward kernel in this folder (each loads its backward kernels), by name."""
+def load() -> dict:
+    """flashgen.load(this folder), wherever it is installed."""
     import flashgen
 
     return flashgen.load(_Path(__file__).parent)

@@ -8,6 +8,7 @@ import shutil
 import stat
 import subprocess
 import sys
+from itertools import product
 from pathlib import Path
 
 import pytest
@@ -123,16 +124,17 @@ def test_list_of_an_empty_folder(tmp_path):
 
 def test_build_every_combination_in_parallel(tmp_path):
     out = tmp_path / "gen"
-    result = run("build", "--d", "64,128", "--causal", "both", "--dtype", "both", "--jobs", 2,
-                 "--no-backward", "--out", out)
+    result = run("build", "--d", "64", "--causal", "both", "--jobs", 2, "--no-backward", "--out", out)
     assert result.exit_code == 0, result.output
     metas = aot.built(out)
-    assert len(list(out.glob("*.json"))) == len(metas) == 8
-    specs = {KernelSpec(**m["spec"]) for m in metas}
-    assert {(s.head_dim, s.dtype, s.causal) for s in specs} == {
-        (d, t, c) for d in (64, 128) for t in ("fp16", "bf16") for c in (False, True)
-    }
+    assert len(list(out.glob("*.json"))) == len(metas) == 4  # short and long queries, both masks
     assert all(m["backward"] == [] for m in metas)
+    result = run("build", "--d", "64,128", "--causal", "both", "--dtype", "both", "--no-backward", "--dry-run")
+    assert result.exit_code == 0, result.output
+    names = result.output.splitlines()[1:]
+    for d, dtype, mask in product((64, 128), ("fp16", "bf16"), ("full", "causal")):
+        picked = [name for name in names if f"_d{d}_" in name and f"_{dtype}_{mask}_" in name]
+        assert len(picked) == 2, (d, dtype, mask, names)
 
 
 def test_build_includes_the_backward_kernels_by_default(gen):
@@ -140,7 +142,9 @@ def test_build_includes_the_backward_kernels_by_default(gen):
     (forward,) = [m for m in metas.values() if m["spec"]["kind"] == D64.kind]
     backward = [metas[name]["spec"] for name in forward["backward"]]
     assert {spec["kind"] for spec in backward} == {"bwd_prep", "bwd_sm90_kvq", "bwd_sm90_kv", "bwd_q"}  # sm_90a's tables
-    assert set(forward["backward"]) | {forward["name"]} == set(metas)
+    short = tuning.forward_spec(64, "bf16", True, "sm_90a", seqlen_q=64)  # queries of 64 rows or fewer
+    assert set(forward["backward"]) | {forward["name"], short.name} == set(metas)
+    assert metas[short.name]["backward"] == forward["backward"]
     assert all(spec["causal"] for spec in backward if spec["kind"] != "bwd_prep")
     assert not (gen / f"{forward['backward'][0]}.py").exists()  # only forward kernels get an importable module
 
@@ -151,10 +155,10 @@ def test_build_includes_the_backward_kernels_by_default(gen):
 )
 def test_causal_flags(tmp_path, flags, mask):
     out = tmp_path / "gen"
-    result = run("build", "--d", 64, *flags, "--no-backward", "--out", out)  # bare --causal before another option
+    result = run("build", "--d", 64, *flags, "--no-backward", "--dry-run", "--out", out)  # bare --causal before another option
     assert result.exit_code == 0, result.output
-    (meta,) = aot.built(out)
-    assert mask in meta["name"]
+    names = result.output.splitlines()[1:]
+    assert len(names) == 2 and all(mask in name for name in names)
 
 
 def test_bare_causal_as_last_argument():
@@ -248,11 +252,11 @@ def test_show_resources_respects_no_jit():
 
 def test_cache_info_and_clear(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path / "cache"))
-    assert run("build", "--d", 32, "--no-backward", "--out", tmp_path / "gen").exit_code == 0
+    assert run("build", "--d", 32, "--no-backward", "--out", tmp_path / "gen").exit_code == 0  # (short and long queries)
     info = run("cache", "info")
-    assert info.exit_code == 0 and "1 kernel(s)" in info.output and str(tmp_path / "cache") in info.output
+    assert info.exit_code == 0 and "2 kernel(s)" in info.output and str(tmp_path / "cache") in info.output
     cleared = run("cache", "clear")
-    assert cleared.exit_code == 0 and "removed 1 kernel(s)" in cleared.output
+    assert cleared.exit_code == 0 and "removed 2 kernel(s)" in cleared.output
     assert "0 kernel(s)" in run("cache", "info").output
 
 
@@ -348,9 +352,13 @@ def test_load_without_gpu(gen):
         assert kernel.spec == D64 and repr(kernel) == f"PrebuiltKernel({D64.name}, {forward})"
 
 
-def test_load_a_folder_gives_its_forward_kernels_by_name(gen):
+def test_load_a_folder_gives_its_forward_kernels_by_name_and_registers_every_kernel(gen, monkeypatch):
+    registered = []
+    monkeypatch.setattr(aot, "_register", lambda spec, cubin: registered.append(spec))
     kernels = flashgen.load(gen)
-    assert list(kernels) == [D64.name] and kernels[D64.name].spec == D64
+    short = tuning.forward_spec(64, "bf16", True, "sm_90a", seqlen_q=64)
+    assert sorted(kernels) == sorted([D64.name, short.name]) and kernels[D64.name].spec == D64
+    assert {spec.name for spec in registered} == {meta["name"] for meta in aot.built(gen)}  # the backward too
 
 
 def test_load_an_empty_folder_says_what_it_expects(tmp_path):
@@ -360,7 +368,7 @@ def test_load_an_empty_folder_says_what_it_expects(tmp_path):
 
 def test_load_a_backward_piece_alone_says_what_it_is_for(gen):
     name = next(meta["name"] for meta in aot.built(gen) if meta["spec"]["kind"] == "bwd_sm90_kvq")
-    with pytest.raises(ValueError, match=f"{name} is a backward piece \\(bwd_sm90_kvq\\): it loads with the forward kernel"):
+    with pytest.raises(ValueError, match=f"{name} is a bwd_sm90_kvq kernel, not a forward kernel of attention\\(\\): load its folder"):
         flashgen.load(gen / f"{name}.json")
 
 
