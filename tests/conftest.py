@@ -9,13 +9,39 @@ import pytest
 import torch
 
 
+def pytest_addoption(parser):
+    parser.addoption("--sweep", action="store_true", default=False,
+                     help="compile every shipped spec in the compile sweeps (CI runs `python -m pytest -q --sweep -m "
+                          "sweep` after the default run); without it each sweep compiles a sample (tests/sweeps.py)")
+
+
+# Tests left out of this run, by reason: one summary line each instead of a line per test.
+NOT_RUN = {
+    "gpu": "GPU tests not run: no CUDA GPU here (the GPU tier: `python -m pytest -m gpu` on an NVIDIA GPU)",
+    "sweep": "compile-sweep specs not run beyond each sweep's sample: `python -m pytest -q --sweep -m sweep` runs them (CI does)",
+}
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (the GPU tier runs with `pytest -m gpu`)")
+    left_out = {"gpu": not torch.cuda.is_available(), "sweep": not config.getoption("--sweep")}
+    kept, dropped = [], []
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        reason = next((reason for reason, out in left_out.items() if out and reason in item.keywords), None)
+        (dropped if reason else kept).append(item)
+        if reason:
+            config.stash.setdefault(_not_run, {}).setdefault(reason, 0)
+            config.stash[_not_run][reason] += 1
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
+_not_run = pytest.StashKey[dict]()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    for reason, count in config.stash.get(_not_run, {}).items():
+        terminalreporter.write_line(f"{count} {NOT_RUN[reason]}")
 
 
 @pytest.fixture(autouse=True)

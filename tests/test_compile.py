@@ -10,6 +10,7 @@ from flashgen import tuning
 from flashgen.compile import Resources, compile_ptx, compile_source, parse_resources
 from flashgen.render import render
 from flashgen.spec import SMEM_LIMIT, KernelSpec
+from sweeps import sweep
 
 # Every spec the tables pick on the H200, forward and backward; sm_80 for the most common head dims
 # and for 256, where its backward is the key-major kernels that take dV and dK in separate passes.
@@ -29,7 +30,7 @@ def test_sweep_covers_both_targets_and_every_kind():
     assert {spec.kind for spec in SHIPPED} == set(flashgen.families.KINDS) - varlen_only
 
 
-@pytest.mark.parametrize("spec", SHIPPED, ids=lambda spec: spec.name)
+@pytest.mark.parametrize("spec", sweep(SHIPPED))
 def test_shipped_spec_compiles_without_spills(spec):
     binary = compile_source(spec, render(spec))  # the static_asserts hold: layout and template agree
     assert isinstance(binary.cubin, bytes) and binary.cubin.startswith(b"\x7fELF")

@@ -13,6 +13,7 @@ from flashgen.compile import compile_ptx, compile_source
 from flashgen.modifiers import MaskMod, ScoreMod
 from flashgen.render import render
 from flashgen.spec import SMEM_LIMIT, KernelSpec, SpecError
+from sweeps import group, sweep
 
 SPECS = [tuning.tuned_spec(kind, d, "bf16", causal, "sm_90a")
          for kind, d, causal in (("bwd_sm90_kvq", 64, False), ("bwd_sm90_kvq", 128, True), ("bwd_sm90_kv", 96, True))]
@@ -36,7 +37,7 @@ def test_the_tables_run_the_split_layout_above_head_dim_128():
     assert all(s.block_n == 128 for d in (64, 128) for s in tuning.backward_specs(d, "bf16", True, "sm_90a", False))
 
 
-@pytest.mark.parametrize("spec", SPECS + SPLIT_SPECS, ids=lambda spec: spec.name)
+@pytest.mark.parametrize("spec", sweep(SPECS + SPLIT_SPECS, by=lambda spec: (*group(spec), spec.softcap)))
 def test_holds_the_hopper_instructions(spec):
     ptx = compile_ptx(spec, render(spec)).decode()
     for instruction in (
@@ -52,7 +53,7 @@ def test_holds_the_hopper_instructions(spec):
     assert not re.search(r"\s(atom|red)\.", ptx)  # no element-wise atomics
 
 
-@pytest.mark.parametrize("spec", SPECS + SPLIT_SPECS, ids=lambda spec: spec.name)
+@pytest.mark.parametrize("spec", sweep(SPECS + SPLIT_SPECS, by=lambda spec: (*group(spec), spec.softcap)))
 def test_compiles_without_spills_or_wgmma_serialization(spec):
     # The consumers' code runs under setmaxnreg.inc 240 (two of them and the producer's 24 fill the
     # register file): no spill means their accumulators fit that budget.

@@ -19,6 +19,7 @@ from flashgen import tuning
 from flashgen.compile import compile_source
 from flashgen.render import render
 from flashgen.spec import KernelSpec
+from sweeps import group, sweep
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 import rules  # noqa: E402
@@ -71,7 +72,7 @@ BACKWARD += [spec for source, c in ((_DOCUMENTS, True), (rules.prefix_lm(64).sou
              if spec.kind.startswith("bwd_sm90")]
 
 
-@pytest.mark.parametrize("spec", BACKWARD, ids=lambda spec: spec.name)
+@pytest.mark.parametrize("spec", sweep(BACKWARD, by=lambda spec: (*group(spec), spec.softcap, bool(spec.mask_mod))))
 def test_the_hopper_backward_computes_p_under_dp(spec, tmp_path):
     """Every exponential of a step's P^T (block_m / 2 a thread) runs between the S^T wait and the dP^T
     wait; with softcap, every tanh too."""

@@ -12,6 +12,7 @@ from flashgen.modifiers import MaskMod, ScoreMod
 from flashgen.compile import compile_source
 from flashgen.render import render
 from flashgen.spec import KernelSpec, SpecError
+from sweeps import group, sweep
 
 
 def make(causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, batch=2, heads=4):
@@ -254,7 +255,7 @@ def test_the_sweep_holds_every_family_that_builds_variants():
     assert any(spec.persistent for spec in VARIANT_SPECS)
 
 
-@pytest.mark.parametrize("spec", VARIANT_SPECS, ids=lambda spec: spec.name)
+@pytest.mark.parametrize("spec", sweep(VARIANT_SPECS, by=lambda spec: (*group(spec), bool(spec.score_mod or spec.mask_mod))))
 def test_variant_kernels_compile_without_spills(spec):
     binary = compile_source(spec, render(spec))
     assert binary.resources.spills == 0 and binary.resources.stack_frame == 0, binary.log

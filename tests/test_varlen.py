@@ -20,6 +20,7 @@ from flashgen.reference import attention_varlen as reference_varlen
 from flashgen.reference import naive_attention
 from flashgen.render import render
 from flashgen.spec import SMEM_LIMIT, KernelSpec, SpecError
+from sweeps import group, sweep
 
 # Every spec attention_varlen runs on the H200, and on sm_80 for the head dims test_compile covers.
 SHIPPED = tuning.shipped_varlen_specs("sm_90a") + tuning.shipped_varlen_specs("sm_80", head_dims=(64, 128, 256))
@@ -181,7 +182,7 @@ def test_the_varlen_hopper_backward_reads_its_dq_back_with_a_kernel(driver, stub
 # ---- NVRTC ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("spec", SHIPPED, ids=lambda spec: spec.name)
+@pytest.mark.parametrize("spec", sweep(SHIPPED))
 def test_shipped_varlen_spec_compiles_without_spills(spec):
     binary = compile_source(spec, render(spec))
     res = binary.resources
