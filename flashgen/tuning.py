@@ -148,7 +148,10 @@ def takes(kind: str, variant: tuple) -> bool:
 def _first_valid(kind, head_dim, dtype, causal, arch, bucket="long", varlen=False, variant=()) -> KernelSpec:
     """The first of the table's tile shapes that makes a valid spec; `variant` names the variant
     fields to set (the tiles are those of the plain kernel: a variant adds a few registers)."""
+    from .families import family
+
     check_head_dim(head_dim)  # a bad head dim is the problem, not the tiles
+    family(kind).check_arch(kind, arch)  # nor the tiles of a kind that never builds for the target
     error = None
     fields = variant_fields(variant)
     for tiles in candidates(kind, head_dim, dtype, causal, arch, bucket, varlen, bool(variant), "mask_mod" in fields,

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 from flashgen import tune, tuning
 from flashgen.cli import main
 from flashgen.families import BY_KIND
-from flashgen.spec import KernelSpec
+from flashgen.spec import KernelSpec, SpecError
 
 
 def test_table_is_well_formed_and_written_canonically():
@@ -288,3 +288,14 @@ def test_every_head_dim_has_kernels_on_every_arch(arch):
             for paged in (False, True):
                 for rows in (4, 64):
                     tuning.decode_spec(head_dim, dtype, arch, paged, rows)
+
+
+@pytest.mark.parametrize("kind", ["fwd_sm90", "bwd_sm90_kvq", "bwd_sm90_kv"])
+def test_a_kind_asked_for_on_a_target_it_does_not_build_for_names_the_target_it_needs(kind):
+    """It said "no fwd_sm90 tile shape fits head_dim=64 on sm_80: the tuning table has no entry"."""
+    with pytest.raises(SpecError) as raised:
+        tuning.tuned_spec(kind, 64, "bf16", False, "sm_80")
+    assert str(raised.value) == f"arch='sm_80': a {kind} kernel needs sm_90a (TMA, wgmma, setmaxnreg)"
+    with pytest.raises(SpecError) as raised:
+        KernelSpec(head_dim=64, kind=kind, arch="sm_86", block_m=128, block_n=128)
+    assert str(raised.value) == f"arch='sm_86': a {kind} kernel needs sm_90a (TMA, wgmma, setmaxnreg)"
