@@ -14,6 +14,7 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .settings import SettingError
 from .spec import KernelSpec
 
 
@@ -29,7 +30,7 @@ def jit_disabled() -> bool:
         return False
     if value in ("1", "true", "yes", "on"):
         return True
-    raise ValueError(f"FLASHGEN_NO_JIT={value!r}: must be 1, true, yes or on (never compile), or 0, false, no, off or empty")
+    raise SettingError(f"FLASHGEN_NO_JIT={value!r}: must be 1, true, yes or on (never compile), or 0, false, no, off or empty")
 
 
 def no_jit_error(spec: KernelSpec) -> NoJitError:

@@ -8,6 +8,7 @@ from click.testing import CliRunner
 from flashgen import tune, tuning
 from flashgen.cli import main
 from flashgen.families import BY_KIND
+from flashgen.settings import SettingError
 from flashgen.spec import KernelSpec, SpecError
 
 
@@ -299,3 +300,47 @@ def test_a_kind_asked_for_on_a_target_it_does_not_build_for_names_the_target_it_
     with pytest.raises(SpecError) as raised:
         KernelSpec(head_dim=64, kind=kind, arch="sm_86", block_m=128, block_n=128)
     assert str(raised.value) == f"arch='sm_86': a {kind} kernel needs sm_90a (TMA, wgmma, setmaxnreg)"
+
+
+_PLAIN = '{"kind": "fwd", "arch": "*", "head_dim": 64, "dtype": "*", "causal": "*", "bucket": "*", '
+
+
+@pytest.mark.parametrize("text, why", [
+    (None, "no such file"),
+    ("nope", "not valid JSON (Expecting value: line 1 column 1 (char 0))"),
+    ("{}", 'not a tuning table: it must be a JSON object with an "entries" list'),
+    ('{"entries": {}}', 'not a tuning table: it must be a JSON object with an "entries" list'),
+    ('{"entries": [7]}', "entry 0 is not a JSON object"),
+    ('{"entries": [{"kind": "fwd", "head_dim": 64}]}',
+     "entry 0 lacks arch, dtype, causal, bucket, tiles (an entry has kind, arch, head_dim, dtype, causal, bucket and tiles)"),
+    ('{"entries": [' + _PLAIN + '"tiles": {}}]}',
+     'entry 0 (\'fwd\', head_dim 64): tiles: must be a list of objects like {"block_m": 128, "block_n": 64}'),
+    ('{"entries": [' + _PLAIN + '"tiles": [{"block_m": 64, "warps": 4}]}]}',
+     "entry 0 ('fwd', head_dim 64): tiles {\"block_m\": 64, \"warps\": 4}: warps is not a tile field "
+     "(block_m, block_n, num_warps, num_stages, persistent, exp2_fma)"),
+    ('{"entries": [' + _PLAIN.replace('"*", "bucket"', '"yes", "bucket"') + '"tiles": []}]}',
+     "entry 0 ('fwd', head_dim 64): causal 'yes': must be one of true, false, \"*\""),
+    ('{"entries": [' + _PLAIN.replace('"fwd"', '"fwdd"') + '"tiles": []}]}',
+     "entry 0 ('fwdd', head_dim 64): kind 'fwdd': must be one of " + ", ".join(BY_KIND)),
+    ('{"entries": [' + _PLAIN.replace("64", '"64"') + '"tiles": []}]}', "entry 0 ('fwd', head_dim '64'): head_dim '64': must be an integer"),
+])
+def test_a_bad_table_is_one_error_naming_the_variable_and_the_file(tmp_path, monkeypatch, text, why):
+    """It was a FileNotFoundError, JSONDecodeError or KeyError from deep inside, from any call."""
+    path = tmp_path / "mine.json"
+    if text is not None:
+        path.write_text(text)
+    monkeypatch.setenv(tuning.TABLE_ENV, str(path))
+    tuning.reload()
+    try:
+        for call in (tuning.table, lambda: tuning.forward_spec(64, "bf16", False, "sm_90a", 4096)):
+            with pytest.raises(SettingError) as raised:
+                call()
+            assert str(raised.value) == f"FLASHGEN_TUNING_TABLE={str(path)!r}: {why}"
+            assert isinstance(raised.value, ValueError)
+    finally:
+        monkeypatch.delenv(tuning.TABLE_ENV)
+        tuning.reload()
+
+
+def test_the_shipped_table_passes_the_check():
+    assert tuning.table_problem(json.loads(tuning.TABLE_PATH.read_text())) is None
