@@ -474,3 +474,57 @@ def test_a_prebuilt_kernel_with_more_shared_memory_than_the_gpu_allows_is_refuse
 def test_show_takes_every_kind_the_readme_names(kind):
     result = run("show", "--d", 64, "--kind", kind)
     assert result.exit_code == 0 and f"// {kind}_d64" in result.stdout, result.stderr
+
+
+def test_load_of_a_folder_with_a_damaged_kernel_fails_naming_it(gen, tmp_path):
+    """A deployment must not start with a kernel silently left out: built() skipped a corrupt JSON
+    (or a JSON whose cubin is gone), and load(folder) handed out the rest."""
+    folder = tmp_path / "gen"
+    shutil.copytree(gen, folder)
+    backward = json.loads((folder / f"{D64.name}.json").read_text())["backward"][0]
+    (folder / f"{D64.name}.json").write_text('{"name": "cut short')
+    cubin_of(folder, backward).unlink()
+    names = {meta["name"] for meta in aot.built(gen)}
+    metas, damaged = aot.scan(folder)
+    assert {meta["name"] for meta in metas} == names - {D64.name, backward}
+    assert damaged == [
+        f"{folder / backward}.json is damaged (its cubin {cubin_of(gen, backward).name} is missing): "
+        f"rebuild it with `flashgen build --out {folder}`",
+        f"{folder / D64.name}.json is damaged (not valid JSON: Unterminated string starting at: line 1 column 10 (char 9)): "
+        f"rebuild it with `flashgen build --out {folder}`",
+    ]
+    with pytest.raises(ValueError) as raised:
+        flashgen.load(folder)
+    assert str(raised.value) == f"{folder} holds damaged kernels: " + "; ".join(damaged)
+    (folder / "notes.json").write_text("not a kernel's, not JSON")  # other files are left alone
+    assert aot.scan(folder)[1] == damaged
+
+
+def test_load_of_a_path_that_is_not_there_names_that_path(tmp_path):
+    with pytest.raises(FileNotFoundError) as raised:
+        flashgen.load(tmp_path / "nothere")
+    assert str(raised.value) == (f"{tmp_path / 'nothere'} does not exist: flashgen.load takes a build folder, or a "
+                                 f"kernel's .json, .cubin or .py (or that path without its suffix)")
+
+
+def check(*args, **env):
+    return subprocess.run([sys.executable, "-m", "flashgen.check", *map(str, args)], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, **env})
+
+
+def test_check_of_a_folder_that_is_not_there_says_so(tmp_path):
+    """It said "nothere.json does not exist"."""
+    result = check("nothere")
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr == ("error: nothere does not exist: python -m flashgen.check takes a build folder (what "
+                             "`flashgen build --out` writes; generated/ by default)\n")
+    (tmp_path / "file").write_text("")
+    assert check(tmp_path / "file").stderr.startswith(f"error: {tmp_path / 'file'} is not a folder: ")
+
+
+def test_check_rejects_a_no_jit_value_it_does_not_know(gen):
+    """FLASHGEN_NO_JIT=garbage passed: nothing in check asked whether it may compile."""
+    result = check(gen, FLASHGEN_NO_JIT="garbage")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.splitlines()[0] == ("error: FLASHGEN_NO_JIT='garbage': must be 1, true, yes or on (never "
+                                             "compile), or 0, false, no, off or empty")
