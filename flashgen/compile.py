@@ -23,8 +23,9 @@ class NoJitError(RuntimeError):
 
 
 def jit_disabled() -> bool:
-    """FLASHGEN_NO_JIT: 1/true/yes/on means no code path may compile (only `flashgen build` does,
-    which is its job); unset, empty or 0/false/no/off means kernels compile on first use."""
+    """FLASHGEN_NO_JIT: 1/true/yes/on means no code path may compile (only `flashgen build` and
+    `flashgen show --resources` do, which ask for it); unset, empty or 0/false/no/off means kernels
+    compile on first use."""
     value = os.environ.get("FLASHGEN_NO_JIT", "").strip().lower()
     if value in ("", "0", "false", "no", "off"):
         return False

@@ -27,7 +27,8 @@ def _cache() -> str:
 def _no_jit() -> str:
     from .compile import jit_disabled
 
-    return "nothing compiles (only `flashgen build`)" if jit_disabled() else "kernels compile on first use"
+    return "nothing compiles on first use (only `flashgen build` and `show --resources` do)" if jit_disabled() \
+        else "kernels compile on first use"
 
 
 def _tuning_table() -> str:

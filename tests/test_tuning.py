@@ -337,6 +337,10 @@ def test_a_bad_table_is_one_error_naming_the_variable_and_the_file(tmp_path, mon
                 call()
             assert str(raised.value) == f"FLASHGEN_TUNING_TABLE={str(path)!r}: {why}"
             assert isinstance(raised.value, ValueError)
+        for args in (["show", "--d", "64"], ["build", "--d", "64", "--out", str(tmp_path / "gen")], ["tune", "--dry-run"]):
+            result = CliRunner().invoke(main, args)  # (the CLI: one line, status 1, from any command)
+            assert result.exit_code == 1 and result.stderr == f"error: FLASHGEN_TUNING_TABLE={str(path)!r}: {why}\n", result.stderr
+            assert result.stdout == ""
     finally:
         monkeypatch.delenv(tuning.TABLE_ENV)
         tuning.reload()
@@ -344,3 +348,20 @@ def test_a_bad_table_is_one_error_naming_the_variable_and_the_file(tmp_path, mon
 
 def test_the_shipped_table_passes_the_check():
     assert tuning.table_problem(json.loads(tuning.TABLE_PATH.read_text())) is None
+
+
+def test_tune_refuses_an_out_file_that_is_not_a_table_before_timing_anything(tmp_path, monkeypatch):
+    """It read the file it merges into after the minutes of timing, as bare JSON (a traceback)."""
+    import torch
+
+    from flashgen import plans
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(plans, "device_arch", lambda index: "sm_90a")
+    monkeypatch.setattr(tune, "tune", lambda *args, **kwargs: pytest.fail("timed before checking --out"))
+    out = tmp_path / "mine.json"
+    out.write_text('{"about": "mine"}')
+    result = CliRunner().invoke(main, ["tune", "--d", "64", "--kinds", "fwd_sm90", "--out", str(out)])
+    assert result.exit_code == 1 and result.stderr == (
+        f'error: --out {out}: not a tuning table: it must be a JSON object with an "entries" list (an existing file '
+        f"there is the table the new entries merge into)\n"), result.stderr
