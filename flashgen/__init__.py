@@ -33,10 +33,11 @@ _EXPORTS = {
     "render": "render",
     "KernelSpec": "spec",
     "SpecError": "spec",
+    "SettingError": "settings",
 }
 _SUBMODULES = (
     "aot", "api", "bench", "blockmask", "cache", "check", "cli", "compile", "families", "kernels", "modifiers", "params",
-    "plans", "reference", "render", "runtime", "serving", "smem", "spec", "tuning", "variants", "varlen",
+    "plans", "reference", "render", "runtime", "serving", "settings", "smem", "spec", "tuning", "variants", "varlen",
 )
 
 __all__ = sorted(_EXPORTS) + ["reference"]

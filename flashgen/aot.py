@@ -131,23 +131,44 @@ def build(specs: list[KernelSpec], out: Path, jobs: int | None = None, progress=
 
 
 def built(out: Path) -> list[dict]:
-    """Metadata of the kernels in a build folder."""
-    found = []
+    """Metadata of the kernels in a build folder (scan's first half: damaged ones left out)."""
+    return scan(out)[0]
+
+
+def scan(out: Path) -> tuple[list[dict], list[str]]:
+    """The kernels in a build folder: the metadata of those whole, and for each damaged one (its
+    JSON unreadable or not a kernel's, or its cubin missing) a sentence naming the file and what to
+    do. Other JSON files (not named <kind>_...) are not kernels, and are left alone."""
+    from .families import KINDS
+
+    found, damaged = [], []
     for path in sorted(Path(out).glob("*.json")):
-        try:
-            meta = json.loads(path.read_text())
-        except (OSError, ValueError):
+        if not path.stem.startswith(tuple(f"{kind}_" for kind in KINDS)):
             continue
-        if isinstance(meta, dict) and "cubin_sha256" in meta and _has_cubin(path, meta):
-            found.append({**meta, "path": str(path)})
-    return found
+        try:
+            meta = _read_json(path)
+            if not (isinstance(meta, dict) and "cubin_sha256" in meta):
+                raise _damaged(path, "not a kernel's metadata: no cubin_sha256")
+            cubin = _cubin_path(path, meta)
+            if not cubin.exists():
+                raise _damaged(path, f"its cubin {cubin.name} is missing")
+        except (OSError, ValueError) as error:
+            damaged.append(str(error) if isinstance(error, ValueError) else f"{path} cannot be read ({error.strerror})")
+            continue
+        found.append({**meta, "path": str(path)})
+    return found, damaged
 
 
-def _has_cubin(meta_path: Path, meta: dict) -> bool:
+def _damaged(meta_path: Path, why: str) -> ValueError:
+    return ValueError(f"{meta_path} is damaged ({why}): rebuild it with `flashgen build --out {meta_path.parent}`")
+
+
+def _read_json(meta_path: Path):
+    """A kernel's JSON file, parsed; a ValueError naming the file if it is not JSON."""
     try:
-        return _cubin_path(meta_path, meta).exists()
-    except ValueError:
-        return False
+        return json.loads(meta_path.read_text())
+    except ValueError as error:  # (JSONDecodeError, UnicodeDecodeError)
+        raise _damaged(meta_path, f"not valid JSON: {error}") from None
 
 
 def _cubin_path(meta_path: Path, meta: dict) -> Path:
@@ -207,7 +228,7 @@ def runs_on(arch: str, target: str) -> bool:
 def _read(meta_path: Path) -> tuple[KernelSpec, bytes, dict]:
     if not meta_path.exists():
         raise FileNotFoundError(f"{meta_path} is missing: the build in {meta_path.parent} is incomplete; run `flashgen build` again")
-    meta = json.loads(meta_path.read_text())
+    meta = _read_json(meta_path)
     if not isinstance(meta, dict) or meta.get("flashgen") != __version__:
         built_by = meta.get("flashgen") if isinstance(meta, dict) else None
         raise ValueError(
@@ -243,7 +264,9 @@ def load(path) -> PrebuiltKernel | dict[str, PrebuiltKernel]:
         return _load_folder(path)
     meta_path = path.with_name(path.name.split(".")[0] + ".json")  # kernel names hold no dots
     if not meta_path.exists():
-        raise FileNotFoundError(f"{meta_path} does not exist: flashgen.load takes a kernel's .json, .cubin or .py, or a build folder")
+        named = meta_path if path.exists() else path  # (a path that is not there at all: that one)
+        raise FileNotFoundError(f"{named} does not exist: flashgen.load takes a build folder, or a kernel's .json, .cubin "
+                                f"or .py (or that path without its suffix)")
     spec, cubin, meta = _read(meta_path)
     if spec.varlen:
         raise ValueError(f"{spec.name} is a varlen kernel: attention_varlen runs it once its folder is loaded "
@@ -263,7 +286,9 @@ def load(path) -> PrebuiltKernel | dict[str, PrebuiltKernel]:
 
 
 def _load_folder(folder: Path) -> dict[str, PrebuiltKernel]:
-    metas = built(folder)
+    metas, damaged = scan(folder)
+    if damaged:  # a deployment must not run with a kernel quietly missing
+        raise ValueError(f"{folder} holds damaged kernels: " + "; ".join(damaged))
     if not metas:
         raise FileNotFoundError(
             f"{folder} holds no kernels built by `flashgen build` (a <name>.json with its "

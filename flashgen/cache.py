@@ -12,6 +12,7 @@ run, so the cache directory must belong to the user and be writable by nobody el
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -92,6 +93,33 @@ def write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
+@contextlib.contextmanager
+def writing(root: Path):
+    """A file-system error while creating or writing under the cache names the cache directory,
+    the variable that chooses it, and why (not a bare `[Errno 13] ...`)."""
+    try:
+        yield
+    except OSError as error:
+        where = f" ({error.filename})" if error.filename and Path(error.filename) != Path(root) else ""
+        why = (None if root.exists() else _uncreatable(root)) or f"{error.strerror or error}{where}"
+        raise _unwritable(root, why) from error
+
+
+def _unwritable(root: Path, why: str) -> CacheError:
+    return CacheError(f"cannot write into the flashgen cache directory {root}: {why}. "
+                      f"Set FLASHGEN_CACHE_DIR to a directory you can write.")
+
+
+def _uncreatable(root: Path) -> str | None:
+    """Why the missing directory `root` could not be created (None: it could)."""
+    above = next(parent for parent in root.absolute().parents if parent.exists())
+    if not above.is_dir():
+        return f"{above} is not a directory"
+    if not os.access(above, os.W_OK | os.X_OK):
+        return f"{above} is not writable"
+    return None
+
+
 def private_dir(path: Path) -> Path:
     """Create `path` (and parents) mode 0700, and refuse one that others could write into."""
     missing = []
@@ -101,9 +129,18 @@ def private_dir(path: Path) -> Path:
         missing.append(parent)
     for directory in reversed(missing):
         directory.mkdir(mode=0o700, exist_ok=True)
+    check_private(path)
+    return path
+
+
+def check_private(path: Path) -> None:
+    """Refuse a cache directory that is not a directory, not the user's, or writable by others."""
     info = path.stat()
     if not stat.S_ISDIR(info.st_mode):
-        raise CacheError(f"flashgen cache path {path} exists and is not a directory")
+        raise CacheError(
+            f"flashgen cache directory {path} exists and is not a directory. "
+            f"Set FLASHGEN_CACHE_DIR to a directory (or remove the file)."
+        )
     if hasattr(os, "getuid") and info.st_uid != os.getuid():
         raise CacheError(
             f"flashgen cache directory {path} belongs to uid {info.st_uid}, not to you "
@@ -116,7 +153,6 @@ def private_dir(path: Path) -> Path:
             f"(mode {stat.S_IMODE(info.st_mode):#o}): a cubin found there is code that will run. "
             f"Run `chmod 700 {path}` or set FLASHGEN_CACHE_DIR to a private directory."
         )
-    return path
 
 
 class KernelCache:
@@ -142,14 +178,25 @@ class KernelCache:
         entry_name = f"{spec.name}-{key[:16]}"
         if jit_disabled() and not ahead_of_time and not (self.root / __version__ / spec.arch / entry_name / META).exists():
             raise no_jit_error(spec)  # before anything is created on disk
-        parent = private_dir(private_dir(private_dir(self.root) / __version__) / spec.arch)
+        with writing(self.root):
+            parent = private_dir(private_dir(private_dir(self.root) / __version__) / spec.arch)
         entry = parent / entry_name
         artifact = self.load(entry, spec, key)
         if artifact is None:
-            with filelock.FileLock(str(parent / f"{entry.name}.lock"), mode=0o600):
+            lock_path = parent / f"{entry.name}.lock"
+            lock = filelock.FileLock(str(lock_path), mode=0o600)
+            with writing(self.root):
+                lock.acquire()
+            try:
                 artifact = self.load(entry, spec, key)  # someone may have built it while we waited
                 if artifact is None:
                     artifact = self._build(entry, spec, key, source, ahead_of_time)
+            finally:
+                # Removed while still held, so that no .lock stays behind. A process still waiting on
+                # the removed file, like one that locks a new file of that name, then finds the entry
+                # built (after a failed build two may build at once, which the atomic writes allow).
+                lock_path.unlink(missing_ok=True)
+                lock.release()
         return artifact
 
     def _templates_dir(self) -> Path | None:
@@ -157,7 +204,8 @@ class KernelCache:
         (nothing is created on disk then)."""
         if jit_disabled() and not (self.root / __version__ / TEMPLATES).is_dir():
             return None
-        return private_dir(private_dir(private_dir(self.root) / __version__) / TEMPLATES)
+        with writing(self.root):
+            return private_dir(private_dir(private_dir(self.root) / __version__) / TEMPLATES)
 
     @staticmethod
     def load(entry: Path, spec: KernelSpec, key: str) -> Artifact | None:
@@ -182,11 +230,11 @@ class KernelCache:
         log.warning("flashgen cache entry %s is damaged (%s); rebuilding it", entry, problem)
         return None
 
-    @staticmethod
-    def _build(entry: Path, spec: KernelSpec, key: str, source: str, ahead_of_time: bool) -> Artifact:
-        private_dir(entry)
-        (entry / META).unlink(missing_ok=True)  # the entry is incomplete until meta.json returns
-        write_atomic(entry / SOURCE, source.encode())  # saved first: compile errors point at it
+    def _build(self, entry: Path, spec: KernelSpec, key: str, source: str, ahead_of_time: bool) -> Artifact:
+        with writing(self.root):
+            private_dir(entry)
+            (entry / META).unlink(missing_ok=True)  # the entry is incomplete until meta.json returns
+            write_atomic(entry / SOURCE, source.encode())  # saved first: compile errors point at it
         started = time.perf_counter()
         binary = compile_source(spec, source, entry / SOURCE, ahead_of_time=ahead_of_time)
         meta = {
@@ -204,17 +252,31 @@ class KernelCache:
             "compile_seconds": round(time.perf_counter() - started, 3),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
-        write_atomic(entry / CUBIN, binary.cubin)
-        write_atomic(entry / META, json.dumps(meta, indent=2).encode())  # last: the commit marker
+        with writing(self.root):
+            write_atomic(entry / CUBIN, binary.cubin)
+            write_atomic(entry / META, json.dumps(meta, indent=2).encode())  # last: the commit marker
         log.info("compiled %s in %.2fs", spec.name, meta["compile_seconds"])
         return Artifact(spec, key, binary.cubin, binary.resources, meta, entry)
 
     # ---- inspection --------------------------------------------------------------------------
 
+    def exists(self) -> bool:
+        """Whether the cache directory exists (False: nothing was compiled into it yet). Raises
+        CacheError where it could not be used: a file, someone else's or writable by others, or
+        (missing) under a path where it cannot be created."""
+        if not self.root.exists():
+            why = _uncreatable(self.root)
+            if why:
+                raise _unwritable(self.root, why)
+            return False
+        check_private(self.root)
+        return True
+
     def entries(self) -> list[dict]:
-        """Complete entries under the root (any version and arch), with their size."""
+        """Complete entries under the root (any version and arch), with their size; CacheError
+        for a root that could not be used (see exists)."""
         found = []
-        if not self.root.is_dir():
+        if not self.exists():
             return found
         for meta_path in sorted(self.root.glob(f"*/*/*/{META}")):
             try:
@@ -230,9 +292,9 @@ class KernelCache:
     def clear(self) -> int:
         """Delete every entry; returns how many complete entries there were. Only the
         <version>/<arch> and <version>/templates folders flashgen writes are removed, never anything
-        else under the root."""
+        else under the root (nor anything in a root that could not be used: CacheError)."""
         count = len(self.entries())
-        if self.root.is_dir():
+        if self.exists():
             for arch_dir in sorted(self.root.glob("*/*")):
                 version_dir = arch_dir.parent
                 ours = arch_dir.name in ARCHS or arch_dir.name == TEMPLATES

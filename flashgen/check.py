@@ -17,11 +17,21 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     folder = Path(args[0] if args else "generated")
     from .aot import load
+    from .settings import problems
 
+    if not folder.is_dir():
+        what = "is not a folder" if folder.exists() else "does not exist"
+        print(f"error: {folder} {what}: python -m flashgen.check takes a build folder (what `flashgen build --out` "
+              f"writes; generated/ by default)", file=sys.stderr)
+        return 1
+    found = problems()  # a deployment's environment as `flashgen doctor` checks it (FLASHGEN_NO_JIT=garbage too)
     try:
         kernels = load(folder)
     except (OSError, ValueError) as error:
+        found.append(error)
+    for error in found:
         print(f"error: {error}", file=sys.stderr)
+    if found:
         return 1
     import torch
 

@@ -1,7 +1,8 @@
-"""The `flashgen` command: build | list | show | bench | cache | doctor.
+"""The `flashgen` command: build | list | show | bench | plot | tune | cache (info | clear) | doctor.
 
 Thin by design: it parses options, calls the library, prints. Nothing lives only here. Only
-`bench`, `tune` and `doctor` import torch; the rest start fast. Errors go to stderr with exit status 1.
+`bench`, `tune` and `doctor` import torch; the rest start fast. Errors go to stderr, one `error:`
+line each, with exit status 1 (bad options: click's usage error, status 2).
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress
 
-from .families import KINDS
+from .families import BY_KIND, KINDS
+from .settings import SettingError
 from .spec import ARCHS, ROTARY_STYLES, SpecError
 from .variants import FIELDS as VARIANTS
 
@@ -142,12 +145,40 @@ def _warps_for(tuned, changes) -> int:
     return fits[0] if fits else tuned.num_warps
 
 
+def _error(error) -> None:
+    errors.print(f"[red]error:[/red] {escape(str(error))}", highlight=False, soft_wrap=True)  # (text in [] stays)
+
+
 def _fail(error) -> None:
-    errors.print(f"[red]error:[/red] {error}", highlight=False, soft_wrap=True)
+    _error(error)
     sys.exit(1)
 
 
-@click.group()
+def _progress() -> Progress:
+    """A progress bar on a terminal; none in a pipe or a file, where it would only leave a blank
+    line ahead of what follows (an error must be stderr's first line)."""
+    return Progress(console=errors, transient=True, disable=not errors.is_terminal)
+
+
+def _folder(ctx, param, value):
+    if value is not None and not value.strip():
+        raise click.BadParameter("must name a folder (empty would mean the current directory: say `.`)")
+    return value
+
+
+def _inside(path, folder) -> bool:
+    return Path(path).resolve().is_relative_to(Path(folder).resolve())
+
+
+class _Main(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except SettingError as error:  # a FLASHGEN_* variable set wrong, met by any command: one line
+            _fail(error)
+
+
+@click.group(cls=_Main)
 @click.version_option(package_name="flashgen")
 def main():
     """flashgen: exact FlashAttention kernels generated for each head size, dtype, tile and mask."""
@@ -176,7 +207,7 @@ def _entries(ctx, param, value):
 @click.option("--spec", "spec_texts", multiple=True,
               help="build this spec, its canonical JSON (as a NoJitError prints it); repeatable (not with --d)")
 @click.option("--dry-run", is_flag=True, help="list the kernels the build would make, compile nothing")
-@click.option("--out", default="generated", show_default=True, type=click.Path(file_okay=False),
+@click.option("--out", default="generated", show_default=True, type=click.Path(file_okay=False), callback=_folder,
               help="folder for the .cu, .cubin, .json and .py of each kernel")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
               help="parallel compile processes (default: one per core)")
@@ -205,10 +236,14 @@ def build(out, jobs, with_backward, entries, layouts, rotary, recorded, spec_tex
             click.echo(f"  {spec.name}")
         return
     try:
-        with Progress(console=errors, transient=True) as progress:
+        with _progress() as progress:
             task = progress.add_task(f"compiling {len(plan)} kernel(s)", total=len(plan))
             metas = aot.build(specs, Path(out), jobs=jobs, backward=backward,
                               progress=lambda meta: progress.advance(task))
+    except OSError as error:  # (the cache's own are CacheErrors, which name it)
+        if error.filename and _inside(error.filename, out):
+            error = f"cannot write the build's output folder --out {out}: {error.strerror} ({error.filename})"
+        _fail(error)
     except Exception as error:  # CompileError, CacheError: say what and where, no traceback
         _fail(error)
     _print_kernels(metas, f"built into {out}/")
@@ -254,16 +289,21 @@ def _build_specs(entries, layouts, rotary, recorded, spec_texts, with_backward, 
 
 
 @main.command(name="list")
-@click.option("--out", default="generated", show_default=True, type=click.Path(file_okay=False))
+@click.option("--out", default="generated", show_default=True, type=click.Path(file_okay=False), callback=_folder,
+              help="the build folder to list")
 def list_kernels(out):
-    """Show the kernels built into a folder."""
+    """Show the kernels built into a folder, and any damaged one (status 1)."""
     from . import aot
 
-    metas = aot.built(Path(out))
-    if not metas:
+    metas, damaged = aot.scan(Path(out))
+    if metas:
+        _print_kernels(metas, f"{out}/")
+    elif not damaged:
         console.print(f"no kernels in {out}/ (run `flashgen build --d 64`)", highlight=False)
-        return
-    _print_kernels(metas, f"{out}/")
+    for problem in damaged:
+        _error(problem)
+    if damaged:
+        sys.exit(1)
 
 
 def _print_kernels(metas, title):
@@ -281,12 +321,17 @@ def _print_kernels(metas, title):
         click.echo("  " + "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
 
 
+SHOWN_KINDS = tuple(kind for kind in KINDS if not BY_KIND[kind].needs_rule)  # (a rule's source comes from Python)
+RULE_KINDS = tuple(kind for kind in KINDS if kind not in SHOWN_KINDS)
+
+
 @main.command()
 @spec_options(multiple=False)
-@click.option("--kind", default=None, type=click.Choice(KINDS),
-              help="a forward (fwd: mma.sync; fwd_sm90: Hopper), a backward piece, or the backward's prep "
-                   "(default: the forward the tables pick for --arch)")
-@click.option("--resources", is_flag=True, help="also compile it and print ptxas' report")
+@click.option("--kind", default=None, type=click.Choice(SHOWN_KINDS), metavar="KIND",
+              help=f"the kernel kind: {', '.join(SHOWN_KINDS)} (default: the forward the tables pick for --arch)"
+                   + (f"; {', '.join(RULE_KINDS)} kernels are made from a user rule, in Python" if RULE_KINDS else ""))
+@click.option("--resources", is_flag=True,
+              help="also compile it and print ptxas' report (an explicit build: it compiles under FLASHGEN_NO_JIT too)")
 def show(resources, **options):
     """Print the CUDA source flashgen renders for one spec."""
     from .render import render
@@ -302,16 +347,19 @@ def show(resources, **options):
             from .compile import compile_source
 
             try:
-                report = compile_source(spec, source).resources
-            except Exception as error:  # CompileError, NoJitError
+                report = compile_source(spec, source, ahead_of_time=True).resources  # asked for, like `build`
+            except Exception as error:  # CompileError, no NVRTC
                 _fail(error)
             click.echo(f"// {spec.name}: {json.dumps(report.to_dict())}, {spec.smem_bytes} bytes dynamic smem")
 
 
 @main.command()
-@click.option("--d", "head_dims", default="64,128", show_default=True, callback=_ints)
-@click.option("--seqlens", default="512,1024,2048,4096,8192,16384", show_default=True, callback=_ints)
-@click.option("--modes", default="fwd,bwd,fwd+bwd", show_default=True, callback=_words(("fwd", "bwd", "fwd+bwd")))
+@click.option("--d", "head_dims", default="64,128", show_default=True, callback=_ints,
+              help="head dims to time (comma-separated list)")
+@click.option("--seqlens", default="512,1024,2048,4096,8192,16384", show_default=True, callback=_ints,
+              help="sequence lengths to time (comma-separated list; batch x length = 16k tokens)")
+@click.option("--modes", default="fwd,bwd,fwd+bwd", show_default=True, callback=_words(("fwd", "bwd", "fwd+bwd")),
+              help="what to time: fwd, bwd, fwd+bwd (comma-separated list)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="also write the numbers here")
 @click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False), help="also write the tables here, as Markdown")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="also draw the tables here (.png, .svg, .pdf)")
@@ -396,9 +444,12 @@ def _need_matplotlib() -> None:
 
 
 @main.command()
-@click.option("--d", "head_dims", default="64,128", show_default=True, callback=_ints)
-@click.option("--dtype", "dtypes", default="bf16", show_default=True, callback=_words(("bf16", "fp16")))
-@click.option("--mask", "masks", default="full,causal", show_default=True, callback=_words(("full", "causal")))
+@click.option("--d", "head_dims", default="64,128", show_default=True, callback=_ints,
+              help="head dims to tune (comma-separated list)")
+@click.option("--dtype", "dtypes", default="bf16", show_default=True, callback=_words(("bf16", "fp16")),
+              help="bf16, fp16 or both")
+@click.option("--mask", "masks", default="full,causal", show_default=True, callback=_words(("full", "causal")),
+              help="full, causal or both (comma-separated list)")
 @click.option("--kinds", default=None, callback=_words(KINDS),
               help="only these kernel kinds (default: every kind the tables run on this GPU)")
 @click.option("--seqlens", default="2048,8192,16384", show_default=True, callback=_ints,
@@ -436,11 +487,16 @@ def tune(head_dims, dtypes, masks, kinds, seqlens, out, jobs, dry_run):
             knobs = ", ".join(f"{field} {values}" for field, values in specs[0].family.tune_knobs.items()) if specs else ""
             click.echo(f"{problem.label()}: {len(specs)} candidates" + (f", then {knobs} on the best {tuner.TOP}" if knobs else ""))
         return
-    with Progress(console=errors, transient=True) as progress:
-        entries = tuner.tune(found, seqlens, jobs, progress=progress, log=lambda line: console.print(line, highlight=False))
     path = Path(out) if out else tuning.table_path()
-    source = path if path.exists() else tuning.table_path()
-    doc = tuner.merge(json.loads(source.read_text()), entries)
+    current = tuning.table()  # the table the new entries merge into: checked before minutes of timing
+    if out and path.exists():
+        try:
+            current = tuning.read_table(path)
+        except ValueError as why:
+            _fail(f"--out {path}: {why} (an existing file there is the table the new entries merge into)")
+    with _progress() as progress:
+        entries = tuner.tune(found, seqlens, jobs, progress=progress, log=lambda line: console.print(line, highlight=False))
+    doc = tuner.merge(current, entries)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(tuning.format_table(doc))
     os.replace(tmp, path)  # a crash mid-write leaves the old table whole
@@ -452,12 +508,26 @@ def cache():
     """Inspect or clear the on-disk kernel cache ($FLASHGEN_CACHE_DIR)."""
 
 
+def _existing_cache():
+    """The cache, or None (said) when it does not exist yet; one error for a path it cannot use."""
+    from .cache import CacheError, default_cache
+
+    store = default_cache()
+    try:
+        if store.exists():
+            return store
+    except CacheError as error:  # a file, not one's own, writable by others (refused for use too)
+        _fail(error)
+    click.echo(f"no cache yet: {store.root} does not exist (the first compile creates it; FLASHGEN_CACHE_DIR chooses where)")
+    return None
+
+
 @cache.command()
 def info():
     """Where the cache is and what it holds."""
-    from .cache import default_cache
-
-    store = default_cache()
+    store = _existing_cache()
+    if store is None:
+        return
     entries = store.entries()
     total = sum(e["bytes"] for e in entries)
     click.echo(f"cache: {store.root} — {len(entries)} kernel(s), {total / 1024:.0f} KiB")
@@ -468,19 +538,19 @@ def info():
 @cache.command()
 def clear():
     """Delete every cached kernel."""
-    from .cache import default_cache
-
-    store = default_cache()
-    click.echo(f"removed {store.clear()} kernel(s) from {store.root}")
+    store = _existing_cache()
+    if store is not None:
+        click.echo(f"removed {store.clear()} kernel(s) from {store.root}")
 
 
 @main.command()
 def doctor():
-    """Versions, GPU, NVRTC and cache: what flashgen sees on this machine."""
+    """Versions, GPU, NVRTC and the FLASHGEN_* variables: what flashgen sees on this machine (status 1
+    if a variable is set wrong)."""
     import torch
 
     from . import __version__
-    from .cache import cache_root
+    from .settings import environment
 
     click.echo(f"flashgen {__version__}, torch {torch.__version__}, python {sys.version.split()[0]}")
     try:
@@ -496,7 +566,16 @@ def doctor():
             click.echo(f"GPU {index}: {torch.cuda.get_device_name(index)} -> {device_arch(index)}")
     else:
         click.echo("no CUDA GPU visible: build, show and the cache work; attention() needs a GPU")
-    click.echo(f"cache: {cache_root()}  FLASHGEN_NO_JIT={os.environ.get('FLASHGEN_NO_JIT', '')!r}")
+    wrong = []
+    for shown, meaning in environment():
+        if isinstance(meaning, Exception):
+            wrong.append(meaning)
+            meaning = "set wrong (the error below)"
+        click.echo(f"{shown}: {meaning}")
+    for error in wrong:
+        _error(error)
+    if wrong:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

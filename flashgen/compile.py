@@ -14,6 +14,7 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .settings import SettingError
 from .spec import KernelSpec
 
 
@@ -22,14 +23,15 @@ class NoJitError(RuntimeError):
 
 
 def jit_disabled() -> bool:
-    """FLASHGEN_NO_JIT: 1/true/yes/on means no code path may compile (only `flashgen build` does,
-    which is its job); unset, empty or 0/false/no/off means kernels compile on first use."""
+    """FLASHGEN_NO_JIT: 1/true/yes/on means no code path may compile (only `flashgen build` and
+    `flashgen show --resources` do, which ask for it); unset, empty or 0/false/no/off means kernels
+    compile on first use."""
     value = os.environ.get("FLASHGEN_NO_JIT", "").strip().lower()
     if value in ("", "0", "false", "no", "off"):
         return False
     if value in ("1", "true", "yes", "on"):
         return True
-    raise ValueError(f"FLASHGEN_NO_JIT={value!r}: must be 1, true, yes or on (never compile), or 0, false, no, off or empty")
+    raise SettingError(f"FLASHGEN_NO_JIT={value!r}: must be 1, true, yes or on (never compile), or 0, false, no, off or empty")
 
 
 def no_jit_error(spec: KernelSpec) -> NoJitError:

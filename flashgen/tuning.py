@@ -18,6 +18,7 @@ import json
 import os
 from pathlib import Path
 
+from .settings import SettingError
 from .spec import KernelSpec, SpecError, check_head_dim
 
 TABLE_PATH = Path(__file__).with_name("tuning.json")
@@ -63,11 +64,75 @@ def table_path() -> Path:
 
 
 def table() -> dict:
-    """The tuning table as read from disk (once per process)."""
+    """The tuning table as read from disk (once per process). A table that cannot be read or is not
+    of the right shape is a SettingError naming FLASHGEN_TUNING_TABLE and the file."""
     global _table
     if _table is None:
-        _table = json.loads(table_path().read_text())
+        path = table_path()
+        try:
+            _table = read_table(path)
+        except ValueError as why:
+            named = f"{TABLE_ENV}={str(path)!r}" if os.environ.get(TABLE_ENV) else f"the shipped tuning table {path} ({TABLE_ENV} unset)"
+            raise SettingError(f"{named}: {why}") from None
     return _table
+
+
+def read_table(path: Path) -> dict:
+    """A tuning table file, checked to be what candidates() reads; ValueError says what is wrong."""
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError("no such file") from None
+    except OSError as error:
+        raise ValueError(f"cannot be read ({error.strerror})") from None
+    except ValueError as error:  # (JSONDecodeError, UnicodeDecodeError)
+        raise ValueError(f"not valid JSON ({error})") from None
+    why = table_problem(doc)
+    if why:
+        raise ValueError(why)
+    return doc
+
+
+_CHOICES = {"dtype": ("bf16", "fp16", "*"), "causal": (True, False, "*"), "bucket": ("short", "long", "*"),
+            **dict.fromkeys(OPTIONAL_FIELDS, (True, False, "*"))}  # (True == 1: causal 1 is read as true)
+
+
+def table_problem(doc) -> str | None:
+    """What is wrong with a tuning table's shape (None: nothing): an object whose "entries" are
+    objects with every key field, values the matching reads, and "tiles" a list of tile shapes."""
+    from .families import KINDS
+
+    if not isinstance(doc, dict) or not isinstance(doc.get("entries"), list):
+        return 'not a tuning table: it must be a JSON object with an "entries" list'
+    for index, entry in enumerate(doc["entries"]):
+        if not isinstance(entry, dict):
+            return f"entry {index} is not a JSON object"
+        missing = [field for field in (*KEY_FIELDS, "tiles") if field not in entry]
+        if missing:
+            return f"entry {index} lacks {', '.join(missing)} (an entry has {', '.join(KEY_FIELDS)} and tiles)"
+        wrong = None
+        if entry["kind"] not in KINDS:
+            wrong = f"kind {entry['kind']!r}: must be one of {', '.join(KINDS)}"
+        elif not isinstance(entry["arch"], str):
+            wrong = f"arch {entry['arch']!r}: must be a target or a glob, like \"sm_90a\" or \"*\""
+        elif type(entry["head_dim"]) is not int:
+            wrong = f"head_dim {entry['head_dim']!r}: must be an integer"
+        elif not isinstance(entry["tiles"], list) or not all(isinstance(tiles, dict) for tiles in entry["tiles"]):
+            wrong = "tiles: must be a list of objects like {\"block_m\": 128, \"block_n\": 64}"
+        for field, allowed in _CHOICES.items():
+            if wrong is None and entry.get(field, "*") not in allowed:
+                wrong = f"{field} {entry[field]!r}: must be one of {', '.join(map(json.dumps, allowed))}"
+        for tiles in entry["tiles"] if wrong is None else ():
+            unknown = sorted(set(tiles) - set(TILE_FIELDS))
+            if unknown:
+                wrong = f"tiles {json.dumps(tiles)}: {', '.join(unknown)} is not a tile field ({', '.join(TILE_FIELDS)})"
+            elif not all(type(value) in (int, bool) for value in tiles.values()):
+                wrong = f"tiles {json.dumps(tiles)}: every value must be an integer (persistent: true or false)"
+            if wrong:
+                break
+        if wrong:
+            return f"entry {index} ({entry['kind']!r}, head_dim {entry['head_dim']!r}): {wrong}"
+    return None
 
 
 def format_table(doc: dict) -> str:
@@ -148,7 +213,10 @@ def takes(kind: str, variant: tuple) -> bool:
 def _first_valid(kind, head_dim, dtype, causal, arch, bucket="long", varlen=False, variant=()) -> KernelSpec:
     """The first of the table's tile shapes that makes a valid spec; `variant` names the variant
     fields to set (the tiles are those of the plain kernel: a variant adds a few registers)."""
+    from .families import family
+
     check_head_dim(head_dim)  # a bad head dim is the problem, not the tiles
+    family(kind).check_arch(kind, arch)  # nor the tiles of a kind that never builds for the target
     error = None
     fields = variant_fields(variant)
     for tiles in candidates(kind, head_dim, dtype, causal, arch, bucket, varlen, bool(variant), "mask_mod" in fields,

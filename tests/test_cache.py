@@ -319,3 +319,71 @@ def test_a_compile_error_crosses_a_process_boundary_whole(tmp_path):
     assert (error.spec_name, error.log, error.options, error.source_path) == ("fwd_x", "line 3: error", ["-arch=sm_90a"],
                                                                               tmp_path / "x.cu")
     assert "NVRTC failed to compile fwd_x" in str(error)
+
+
+@pytest.fixture
+def fake_compile(monkeypatch):
+    """The compiler replaced by one that returns a stand-in cubin at once (the point is the files)."""
+    from flashgen.compile import Binary, Resources
+
+    def fake(spec, source, source_path=None, **options):
+        return Binary(b"\x7fELF stand-in", Resources(32, 0, 0, 0, 0), "", ())
+
+    monkeypatch.setattr(flashgen.cache, "compile_source", fake)
+
+
+def test_a_compile_leaves_no_lock_file_behind(root, fake_compile):
+    """The lock that makes N processes compile a spec once used to stay as a zero-byte .lock per entry."""
+    artifact = KernelCache(root).get(SPEC)
+    assert artifact.cubin == b"\x7fELF stand-in"
+    left = [os.path.join(folder, name) for folder, _, files in os.walk(root) for name in files if name.endswith(".lock")]
+    assert left == []
+
+
+def test_a_cache_path_under_a_file_names_the_cache_directory_and_the_variable(tmp_path):
+    (tmp_path / "file").write_text("")
+    cache = KernelCache(tmp_path / "file" / "cache")
+    message = f"cannot write into the flashgen cache directory {cache.root}: {tmp_path / 'file'} is not a directory. " \
+              f"Set FLASHGEN_CACHE_DIR to a directory you can write."
+    with pytest.raises(flashgen.CacheError) as raised:
+        cache.get(SPEC)
+    assert str(raised.value) == message  # (it was a bare "[Errno 20] Not a directory: ...")
+    with pytest.raises(flashgen.CacheError) as raised:
+        cache.entries()  # inspecting it says the same, and creates nothing
+    assert str(raised.value) == message
+
+
+def test_a_write_refused_in_the_cache_names_the_cache_directory_and_the_variable(root, fake_compile, monkeypatch):
+    """What an unwritable cache gives, whoever runs the test (root may write anywhere)."""
+    import errno
+
+    def refused(path, data):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(flashgen.cache, "write_atomic", refused)
+    with pytest.raises(flashgen.CacheError, match=f"cannot write into the flashgen cache directory {root}: Permission denied "
+                                                  f"\\({root}/.*/kernel.cu\\). Set FLASHGEN_CACHE_DIR to a directory you can write."):
+        KernelCache(root).get(SPEC)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a directory of mode 0500")
+def test_an_unwritable_cache_names_the_cache_directory_and_the_variable(root):
+    root.mkdir(mode=0o500)
+    with pytest.raises(flashgen.CacheError, match=f"cannot write into the flashgen cache directory {root}: Permission denied"):
+        KernelCache(root).get(SPEC)
+
+
+def test_inspecting_refuses_what_using_refuses(root, tmp_path):
+    """entries() and clear() took a file, or a directory others can write, as an empty cache."""
+    assert KernelCache(root).exists() is False and not root.exists()
+    root.write_text("")
+    for inspect in (KernelCache(root).exists, KernelCache(root).entries, KernelCache(root).clear):
+        with pytest.raises(flashgen.CacheError, match=f"flashgen cache directory {root} exists and is not a directory. "
+                                                      "Set FLASHGEN_CACHE_DIR"):
+            inspect()
+    shared = tmp_path / "shared"
+    (shared / flashgen.__version__ / SPEC.arch).mkdir(parents=True)
+    shared.chmod(0o777)
+    with pytest.raises(flashgen.CacheError, match="is writable by other users"):
+        KernelCache(shared).clear()
+    assert (shared / flashgen.__version__ / SPEC.arch).is_dir()  # nothing deleted there

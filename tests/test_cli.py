@@ -11,6 +11,7 @@ import sys
 from itertools import product
 from pathlib import Path
 
+import click
 import pytest
 import torch
 from click.testing import CliRunner
@@ -245,9 +246,13 @@ def test_show_resources_compiles():
     assert f"// {tuned(64).name}: " in result.output and '"registers"' in result.output
 
 
-def test_show_resources_respects_no_jit():
-    result = run("show", "--d", 64, "--resources", env={"FLASHGEN_NO_JIT": "1"})
-    assert failed(result, "FLASHGEN_NO_JIT is set")
+def test_show_resources_compiles_under_no_jit_as_build_does():
+    """An explicit request to compile, like `flashgen build`: it printed the whole source, then
+    failed with FLASHGEN_NO_JIT's advice (build and load it), which did not apply."""
+    result = run("show", "--d", 64, "--kind", "bwd_prep", "--resources", env={"FLASHGEN_NO_JIT": "1"})
+    assert result.exit_code == 0 and result.stderr == "", result.stderr
+    assert result.stdout.splitlines()[-1].startswith('// bwd_prep_d64_bf16_sm90a: {"registers": ')
+    assert "FLASHGEN_NO_JIT" in cli.show.params[-1].help
 
 
 def test_cache_info_and_clear(tmp_path, monkeypatch):
@@ -482,3 +487,196 @@ def test_a_prebuilt_kernel_with_more_shared_memory_than_the_gpu_allows_is_refuse
 def test_show_takes_every_kind_the_readme_names(kind):
     result = run("show", "--d", 64, "--kind", kind)
     assert result.exit_code == 0 and f"// {kind}_d64" in result.stdout, result.stderr
+
+
+def test_load_of_a_folder_with_a_damaged_kernel_fails_naming_it(gen, tmp_path):
+    """A deployment must not start with a kernel silently left out: built() skipped a corrupt JSON
+    (or a JSON whose cubin is gone), and load(folder) handed out the rest."""
+    folder = tmp_path / "gen"
+    shutil.copytree(gen, folder)
+    backward = json.loads((folder / f"{D64.name}.json").read_text())["backward"][0]
+    (folder / f"{D64.name}.json").write_text('{"name": "cut short')
+    cubin_of(folder, backward).unlink()
+    names = {meta["name"] for meta in aot.built(gen)}
+    metas, damaged = aot.scan(folder)
+    assert {meta["name"] for meta in metas} == names - {D64.name, backward}
+    assert damaged == [
+        f"{folder / backward}.json is damaged (its cubin {cubin_of(gen, backward).name} is missing): "
+        f"rebuild it with `flashgen build --out {folder}`",
+        f"{folder / D64.name}.json is damaged (not valid JSON: Unterminated string starting at: line 1 column 10 (char 9)): "
+        f"rebuild it with `flashgen build --out {folder}`",
+    ]
+    with pytest.raises(ValueError) as raised:
+        flashgen.load(folder)
+    assert str(raised.value) == f"{folder} holds damaged kernels: " + "; ".join(damaged)
+    (folder / "notes.json").write_text("not a kernel's, not JSON")  # other files are left alone
+    assert aot.scan(folder)[1] == damaged
+
+
+def test_load_of_a_path_that_is_not_there_names_that_path(tmp_path):
+    with pytest.raises(FileNotFoundError) as raised:
+        flashgen.load(tmp_path / "nothere")
+    assert str(raised.value) == (f"{tmp_path / 'nothere'} does not exist: flashgen.load takes a build folder, or a "
+                                 f"kernel's .json, .cubin or .py (or that path without its suffix)")
+
+
+def check(*args, **env):
+    return subprocess.run([sys.executable, "-m", "flashgen.check", *map(str, args)], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, **env})
+
+
+def test_check_of_a_folder_that_is_not_there_says_so(tmp_path):
+    """It said "nothere.json does not exist"."""
+    result = check("nothere")
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr == ("error: nothere does not exist: python -m flashgen.check takes a build folder (what "
+                             "`flashgen build --out` writes; generated/ by default)\n")
+    (tmp_path / "file").write_text("")
+    assert check(tmp_path / "file").stderr.startswith(f"error: {tmp_path / 'file'} is not a folder: ")
+
+
+def test_check_rejects_a_no_jit_value_it_does_not_know(gen):
+    """FLASHGEN_NO_JIT=garbage passed: nothing in check asked whether it may compile."""
+    result = check(gen, FLASHGEN_NO_JIT="garbage")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.splitlines()[0] == ("error: FLASHGEN_NO_JIT='garbage': must be 1, true, yes or on (never "
+                                             "compile), or 0, false, no, off or empty")
+
+
+def test_list_names_a_damaged_kernel_and_fails(gen, tmp_path):
+    """It listed the rest and left the damaged one out, with status 0."""
+    folder = tmp_path / "gen"
+    shutil.copytree(gen, folder)
+    (folder / f"{D64.name}.json").write_text("{")
+    result = run("list", "--out", folder)
+    assert result.exit_code == 1
+    assert result.stderr == (f"error: {folder / D64.name}.json is damaged (not valid JSON: Expecting property name enclosed "
+                             f"in double quotes: line 1 column 2 (char 1)): rebuild it with `flashgen build --out {folder}`\n")
+    others = [meta["name"] for meta in aot.built(folder)]
+    assert others and all(f"  {name}  " in result.stdout for name in others) and D64.name not in result.stdout
+
+
+def first_error(result, *texts):
+    """A refusal whose first line of stderr is the error (nothing left before it by the progress bar)."""
+    assert failed(result, *texts)
+    assert result.stderr.startswith("error: ") and len(result.stderr.splitlines()) == 1, result.stderr
+    return True
+
+
+def test_a_build_into_an_out_under_a_file_names_the_output_folder(tmp_path):
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "gen"
+    result = run("build", "--d", 32, "--no-backward", "--out", out)
+    assert first_error(result, f"cannot write the build's output folder --out {out}: Not a directory ({out})")
+
+
+def test_a_build_with_a_cache_under_a_file_names_the_cache_directory(tmp_path):
+    (tmp_path / "file").write_text("")
+    cache = tmp_path / "file" / "cache"
+    result = run("build", "--d", 32, "--no-backward", "--out", tmp_path / "gen", env={"FLASHGEN_CACHE_DIR": str(cache)})
+    assert first_error(result, f"cannot write into the flashgen cache directory {cache}: {tmp_path / 'file'} is not a "
+                               f"directory. Set FLASHGEN_CACHE_DIR to a directory you can write.")
+
+
+@pytest.mark.parametrize("command", ["build", "list"])
+def test_an_empty_out_is_refused(tmp_path, monkeypatch, command):
+    """`build --out ""` wrote into the current directory."""
+    monkeypatch.chdir(tmp_path)
+    result = run(command, *(["--d", 32, "--no-backward"] if command == "build" else []), "--out", "")
+    assert result.exit_code == 2 and "Invalid value for '--out': must name a folder" in result.stderr, result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["info", "clear"])
+def test_cache_info_and_clear_refuse_what_the_cache_refuses(tmp_path, command):
+    """They took a file or a directory others can write as an empty cache: "0 kernel(s)", status 0."""
+    (tmp_path / "file").write_text("")
+    result = run("cache", command, env={"FLASHGEN_CACHE_DIR": str(tmp_path / "file")})
+    assert first_error(result, f"flashgen cache directory {tmp_path / 'file'} exists and is not a directory. "
+                               "Set FLASHGEN_CACHE_DIR")
+    shared = tmp_path / "shared"
+    (shared / flashgen.__version__ / "sm_90a").mkdir(parents=True)
+    shared.chmod(0o777)
+    result = run("cache", command, env={"FLASHGEN_CACHE_DIR": str(shared)})
+    assert first_error(result, f"flashgen cache directory {shared} is writable by other users (mode 0o777)")
+    assert (shared / flashgen.__version__ / "sm_90a").is_dir()
+
+
+@pytest.mark.parametrize("command", ["info", "clear"])
+def test_cache_info_and_clear_say_when_there_is_no_cache_yet(tmp_path, command):
+    result = run("cache", command, env={"FLASHGEN_CACHE_DIR": str(tmp_path / "none")})
+    assert result.exit_code == 0 and "kernel(s)" not in result.stdout
+    assert result.stdout == (f"no cache yet: {tmp_path / 'none'} does not exist (the first compile creates it; "
+                             f"FLASHGEN_CACHE_DIR chooses where)\n")
+    assert not (tmp_path / "none").exists()
+
+
+def test_doctor_shows_every_variable_and_rejects_bad_values(tmp_path):
+    """FLASHGEN_NO_JIT=garbage passed doctor; a bad tuning table and cache were not looked at."""
+    good = run("doctor")
+    assert good.exit_code == 0, good.stderr
+    for line in ("FLASHGEN_NO_JIT unset: kernels compile on first use",
+                 f"FLASHGEN_TUNING_TABLE unset: the tuning table {tuning.TABLE_PATH}, {len(tuning.table()['entries'])} entries",
+                 f"FLASHGEN_CACHE_DIR={os.environ['FLASHGEN_CACHE_DIR']!r}: the kernel cache, {os.environ['FLASHGEN_CACHE_DIR']}"):
+        assert line in good.stdout, good.stdout
+    (tmp_path / "file").write_text("")
+    (tmp_path / "table.json").write_text("[]")
+    env = {"FLASHGEN_NO_JIT": "garbage", "FLASHGEN_CACHE_DIR": str(tmp_path / "file"),
+           "FLASHGEN_TUNING_TABLE": str(tmp_path / "table.json")}
+    tuning.reload()
+    try:
+        bad = run("doctor", env=env)
+    finally:
+        tuning.reload()
+    assert bad.exit_code == 1 and "Traceback" not in bad.stderr
+    for name, value in env.items():
+        assert f"{name}={value!r}: set wrong (the error below)" in bad.stdout
+    assert bad.stderr.splitlines() == [
+        f"error: flashgen cache directory {tmp_path / 'file'} exists and is not a directory. Set FLASHGEN_CACHE_DIR to a "
+        "directory (or remove the file).",
+        "error: FLASHGEN_NO_JIT='garbage': must be 1, true, yes or on (never compile), or 0, false, no, off or empty",
+        f"error: FLASHGEN_TUNING_TABLE={str(tmp_path / 'table.json')!r}: not a tuning table: it must be a JSON object "
+        'with an "entries" list',
+    ]
+
+
+def test_show_offers_every_kind_it_can_render_and_lists_them_in_its_help():
+    """--kind's help was hand-written (forward and backward pieces only); block_mask was offered but
+    needs a mask rule's source, which no option gives."""
+    from flashgen.families import BY_KIND, KINDS
+
+    (kind_option,) = [param for param in cli.show.params if param.name == "kind"]
+    shown = [kind for kind in KINDS if kind != "block_mask"]
+    assert list(kind_option.type.choices) == shown and BY_KIND["block_mask"].needs_rule
+    assert f"the kernel kind: {', '.join(shown)} (default: " in kind_option.help
+    assert "block_mask kernels are made from a user rule, in Python" in kind_option.help
+    refused = run("show", "--d", 64, "--kind", "block_mask")
+    assert refused.exit_code == 2 and "'block_mask' is not one of" in refused.stderr
+
+
+@pytest.mark.parametrize("kind, arch", [("fwd_sm90", "sm_80"), ("bwd_sm90_kvq", "sm_86")])
+def test_show_of_a_kind_on_a_target_it_does_not_build_for_names_the_target_it_needs(kind, arch):
+    result = run("show", "--d", 64, "--kind", kind, "--arch", arch)
+    assert first_error(result, f"arch='{arch}': a {kind} kernel needs sm_90a (TMA, wgmma, setmaxnreg)")
+    assert "tuning table" not in result.stderr and result.stdout == ""
+
+
+def _commands(group, prefix=()):
+    for name, command in group.commands.items():
+        yield (*prefix, name), command
+        if isinstance(command, click.Group):
+            yield from _commands(command, (*prefix, name))
+
+
+def test_every_command_is_in_the_module_docstring_and_every_option_has_help():
+    """The docstring listed build | list | show | bench | cache | doctor (not plot, tune); bench's
+    --d, --seqlens, --modes, tune's --d, --dtype, --mask and list's --out had no help."""
+    names = [path for path, _ in _commands(cli.main)]
+    assert {path[0] for path in names} == {"build", "list", "show", "bench", "plot", "tune", "cache", "doctor"}
+    for path in names:
+        assert path[-1] in cli.__doc__.splitlines()[0], path
+    for path, command in _commands(cli.main):
+        assert command.help, path
+        for param in command.params:
+            if isinstance(param, click.Option):
+                assert param.help and param.help.strip(), (path, param.opts)

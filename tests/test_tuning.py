@@ -8,7 +8,8 @@ from click.testing import CliRunner
 from flashgen import tune, tuning
 from flashgen.cli import main
 from flashgen.families import BY_KIND
-from flashgen.spec import KernelSpec
+from flashgen.settings import SettingError
+from flashgen.spec import KernelSpec, SpecError
 
 
 def test_table_is_well_formed_and_written_canonically():
@@ -288,3 +289,79 @@ def test_every_head_dim_has_kernels_on_every_arch(arch):
             for paged in (False, True):
                 for rows in (4, 64):
                     tuning.decode_spec(head_dim, dtype, arch, paged, rows)
+
+
+@pytest.mark.parametrize("kind", ["fwd_sm90", "bwd_sm90_kvq", "bwd_sm90_kv"])
+def test_a_kind_asked_for_on_a_target_it_does_not_build_for_names_the_target_it_needs(kind):
+    """It said "no fwd_sm90 tile shape fits head_dim=64 on sm_80: the tuning table has no entry"."""
+    with pytest.raises(SpecError) as raised:
+        tuning.tuned_spec(kind, 64, "bf16", False, "sm_80")
+    assert str(raised.value) == f"arch='sm_80': a {kind} kernel needs sm_90a (TMA, wgmma, setmaxnreg)"
+    with pytest.raises(SpecError) as raised:
+        KernelSpec(head_dim=64, kind=kind, arch="sm_86", block_m=128, block_n=128)
+    assert str(raised.value) == f"arch='sm_86': a {kind} kernel needs sm_90a (TMA, wgmma, setmaxnreg)"
+
+
+_PLAIN = '{"kind": "fwd", "arch": "*", "head_dim": 64, "dtype": "*", "causal": "*", "bucket": "*", '
+
+
+@pytest.mark.parametrize("text, why", [
+    (None, "no such file"),
+    ("nope", "not valid JSON (Expecting value: line 1 column 1 (char 0))"),
+    ("{}", 'not a tuning table: it must be a JSON object with an "entries" list'),
+    ('{"entries": {}}', 'not a tuning table: it must be a JSON object with an "entries" list'),
+    ('{"entries": [7]}', "entry 0 is not a JSON object"),
+    ('{"entries": [{"kind": "fwd", "head_dim": 64}]}',
+     "entry 0 lacks arch, dtype, causal, bucket, tiles (an entry has kind, arch, head_dim, dtype, causal, bucket and tiles)"),
+    ('{"entries": [' + _PLAIN + '"tiles": {}}]}',
+     'entry 0 (\'fwd\', head_dim 64): tiles: must be a list of objects like {"block_m": 128, "block_n": 64}'),
+    ('{"entries": [' + _PLAIN + '"tiles": [{"block_m": 64, "warps": 4}]}]}',
+     "entry 0 ('fwd', head_dim 64): tiles {\"block_m\": 64, \"warps\": 4}: warps is not a tile field "
+     "(block_m, block_n, num_warps, num_stages, persistent, exp2_fma)"),
+    ('{"entries": [' + _PLAIN.replace('"*", "bucket"', '"yes", "bucket"') + '"tiles": []}]}',
+     "entry 0 ('fwd', head_dim 64): causal 'yes': must be one of true, false, \"*\""),
+    ('{"entries": [' + _PLAIN.replace('"fwd"', '"fwdd"') + '"tiles": []}]}',
+     "entry 0 ('fwdd', head_dim 64): kind 'fwdd': must be one of " + ", ".join(BY_KIND)),
+    ('{"entries": [' + _PLAIN.replace("64", '"64"') + '"tiles": []}]}', "entry 0 ('fwd', head_dim '64'): head_dim '64': must be an integer"),
+])
+def test_a_bad_table_is_one_error_naming_the_variable_and_the_file(tmp_path, monkeypatch, text, why):
+    """It was a FileNotFoundError, JSONDecodeError or KeyError from deep inside, from any call."""
+    path = tmp_path / "mine.json"
+    if text is not None:
+        path.write_text(text)
+    monkeypatch.setenv(tuning.TABLE_ENV, str(path))
+    tuning.reload()
+    try:
+        for call in (tuning.table, lambda: tuning.forward_spec(64, "bf16", False, "sm_90a", 4096)):
+            with pytest.raises(SettingError) as raised:
+                call()
+            assert str(raised.value) == f"FLASHGEN_TUNING_TABLE={str(path)!r}: {why}"
+            assert isinstance(raised.value, ValueError)
+        for args in (["show", "--d", "64"], ["build", "--d", "64", "--out", str(tmp_path / "gen")], ["tune", "--dry-run"]):
+            result = CliRunner().invoke(main, args)  # (the CLI: one line, status 1, from any command)
+            assert result.exit_code == 1 and result.stderr == f"error: FLASHGEN_TUNING_TABLE={str(path)!r}: {why}\n", result.stderr
+            assert result.stdout == ""
+    finally:
+        monkeypatch.delenv(tuning.TABLE_ENV)
+        tuning.reload()
+
+
+def test_the_shipped_table_passes_the_check():
+    assert tuning.table_problem(json.loads(tuning.TABLE_PATH.read_text())) is None
+
+
+def test_tune_refuses_an_out_file_that_is_not_a_table_before_timing_anything(tmp_path, monkeypatch):
+    """It read the file it merges into after the minutes of timing, as bare JSON (a traceback)."""
+    import torch
+
+    from flashgen import plans
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(plans, "device_arch", lambda index: "sm_90a")
+    monkeypatch.setattr(tune, "tune", lambda *args, **kwargs: pytest.fail("timed before checking --out"))
+    out = tmp_path / "mine.json"
+    out.write_text('{"about": "mine"}')
+    result = CliRunner().invoke(main, ["tune", "--d", "64", "--kinds", "fwd_sm90", "--out", str(out)])
+    assert result.exit_code == 1 and result.stderr == (
+        f'error: --out {out}: not a tuning table: it must be a JSON object with an "entries" list (an existing file '
+        f"there is the table the new entries merge into)\n"), result.stderr

@@ -12,7 +12,7 @@ import dataclasses
 from .. import __version__, modifiers, variants
 from ..params import Params
 from ..smem import SmemLayout
-from ..spec import DEFAULTS, SMEM_LIMIT, KernelSpec, SpecError
+from ..spec import ARCHS, DEFAULTS, SMEM_LIMIT, KernelSpec, SpecError
 
 # How each field appears in a kernel name, in name order (the kind comes first).
 NAME_PARTS = {
@@ -80,6 +80,9 @@ class Family:
     fields: tuple[str, ...] = tuple(f for f in NAME_PARTS if f != "rotary")  # the spec fields the kernel's code depends on
     arguments: tuple[str, ...] = ()  # the launch's named arguments, from which parameters are computed
     forward = False  # a forward kernel: what attention() runs and `flashgen build` makes importable
+    archs: tuple[str, ...] = ARCHS  # the targets it builds for
+    archs_need = ""  # what the other targets lack, said when refusing them
+    needs_rule = False  # its specs carry a user rule's source (MaskMod), which only Python can give
     tune_space: dict[str, tuple] = {}  # the tile fields `flashgen tune` sweeps, and their values
     # Code choices `flashgen tune` then tries on the best few tile shapes, one field at a time (the
     # shapes are ranked with them at their defaults), and their values past the default.
@@ -87,8 +90,15 @@ class Family:
 
     # ---- which specs ---------------------------------------------------------------------------
 
+    def check_arch(self, kind: str, arch: str) -> None:
+        """Raise SpecError naming the target(s) a kind needs unless it builds for `arch`."""
+        if arch not in self.archs:
+            need = f" ({self.archs_need})" if self.archs_need else ""
+            raise SpecError(f"arch={arch!r}: a {kind} kernel needs {' or '.join(self.archs)}{need}")
+
     def validate(self, spec: KernelSpec) -> None:
         """Raise SpecError unless this family can build and run `spec`."""
+        self.check_arch(spec.kind, spec.arch)
         for field, default in DEFAULTS.items():
             if field != "kind" and field not in self.fields and getattr(spec, field) != default:
                 raise SpecError(

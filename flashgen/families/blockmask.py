@@ -12,6 +12,7 @@ from .base import Family
 
 class BlockMaskStates(Family):
     kinds = ("block_mask",)
+    needs_rule = True  # (its spec is a mask rule's source: flashgen.blockmask makes it from a MaskMod)
     template = "block_mask.cu.j2"
     fields = ("block_m", "block_n", "causal", "arch", "window", "mask_mod")  # head_dim: unused (pass 8)
     arguments = ("states", "seqlen_q", "seqlen_k", "batches", "heads", "window_left", "window_right", "mask_mod_tensors")

@@ -48,8 +48,12 @@ def _sm_count(t) -> int:
     return count
 
 
+HOPPER_ARCHS, HOPPER_NEEDS = ("sm_90a",), "TMA, wgmma, setmaxnreg"  # the Hopper families' target, and why
+
+
 class HopperForward(Family):
     kinds = ("fwd_sm90",)
+    archs, archs_need = HOPPER_ARCHS, HOPPER_NEEDS
     template = "attention_fwd_sm90.cu.j2"
     fields = ("head_dim", "block_m", "block_n", "dtype", "causal", "num_stages", "arch", "persistent", "exp2_fma", "varlen",
               *variants.FIELDS, "score_mod", "mask_mod")
@@ -69,8 +73,6 @@ class HopperForward(Family):
         return -(-spec.head_dim // 64) * 64
 
     def check(self, spec: KernelSpec) -> None:
-        if spec.arch != "sm_90a":
-            raise SpecError(f"arch={spec.arch!r}: a {spec.kind} kernel needs sm_90a (TMA, wgmma, setmaxnreg)")
         if spec.block_m not in (128, 192):
             raise SpecError(f"block_m={spec.block_m}: must be 128 or 192 (two or three consumer warpgroups of 64 rows)")
         if spec.block_n % 16 or not 16 <= spec.block_n <= 256:
