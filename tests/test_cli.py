@@ -36,10 +36,22 @@ def run(*args, env=None):
     return CliRunner().invoke(cli.main, [str(a) for a in args], env=env)
 
 
+def blocks(markdown: Path, language: str) -> list[str]:
+    """The fenced code blocks of one language in a Markdown file, in order."""
+    parts = markdown.read_text().split("```")
+    return [part[len(language) + 1:] for part in parts[1::2] if part.startswith(language + "\n")]
+
+
+GENERATED_README = ROOT / "generated" / "README.md"
+# The build command generated/README.md gives first: what the folder the tests load is built by.
+BUILD_WORDS = blocks(GENERATED_README, "bash")[0].splitlines()[0].split()
+
+
 @pytest.fixture(scope="module")
 def gen(tmp_path_factory):
-    out = tmp_path_factory.mktemp("cli") / "gen"
-    result = run("build", "--d", 64, "--causal", "--out", out)
+    assert BUILD_WORDS == ["flashgen", "build", "--d", "64", "--causal"]  # (D64 and the tests below say what it makes)
+    out = tmp_path_factory.mktemp("cli") / "generated"
+    result = run(*BUILD_WORDS[1:], "--out", out)
     assert result.exit_code == 0, result.output
     return out
 
@@ -680,3 +692,27 @@ def test_every_command_is_in_the_module_docstring_and_every_option_has_help():
         for param in command.params:
             if isinstance(param, click.Option):
                 assert param.help and param.help.strip(), (path, param.opts)
+
+
+def test_the_generated_readme_loads_what_its_own_build_command_made(gen, tmp_path):
+    """generated/README.md's first Python block, as written, in a fresh process beside the folder its
+    build command made, with FLASHGEN_NO_JIT set, an empty cache and the compiler refused; every
+    build command it shows is one `flashgen build` takes (its GPU half runs in tests/test_gpu_deploy.py)."""
+    code = "import flashgen.cache, flashgen.compile\n" \
+           "def refuse(*a, **k):\n    raise AssertionError('NVRTC was called')\n" \
+           "flashgen.compile.compile_source = flashgen.cache.compile_source = refuse\n" + blocks(GENERATED_README, "python")[0] + \
+           "import generated\nassert sorted(generated.load()) == sorted(flashgen.load('generated'))\n" \
+           "from flashgen import kernels\n" \
+           "print(sorted(spec.name for spec in kernels._loaded))\n"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=gen.parent,
+                            env={**os.environ, "FLASHGEN_NO_JIT": "1", "FLASHGEN_CACHE_DIR": str(tmp_path / "empty")})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(sorted(meta["name"] for meta in aot.built(gen)))  # every kernel, registered
+    for block in blocks(GENERATED_README, "bash"):
+        for line in block.splitlines():
+            words = line.split("#")[0].split()
+            if "flashgen" in words and words[words.index("flashgen") + 1] == "build":
+                words = words[words.index("flashgen") + 2:]
+                if "--from" not in words:
+                    result = run("build", *words, "--dry-run")
+                    assert result.exit_code == 0, (line, result.output)
