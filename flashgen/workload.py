@@ -36,8 +36,8 @@ class Workload:
     """A deployment's attention calls, as `flashgen build`'s options describe them.
 
     head_dims, dtypes, causal, archs: every combination is built. entries: the public functions
-    called (ENTRIES). variants: each one a combination of variant fields a call uses (("window",
-    "softcap") for Gemma-2's local layers), () for plain calls. layouts: the KV layouts of kvcache
+    called (ENTRIES). variants: each one a combination of variant fields (flashgen.variants.FIELDS) that
+    calls use together, () for plain calls. layouts: the KV layouts of kvcache
     ("contiguous", "paged") and whether varlen reads a paged cache ("paged"). rotary: the rotary
     styles of kvcache calls ("" = none). backward: attention's and varlen's backward kernels, in
     both modes (deterministic or not).
