@@ -69,8 +69,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--bidirectional", action="store_true", help="no causal mask (the bias is then -slope * |i - j|)")
     parser.add_argument("--per-batch", action="store_true", help="slopes of shape (batch, heads): each sequence its own")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
+        sys.exit(f"{parser.prog} needs an NVIDIA GPU (sm_80+); PyTorch sees none on this machine")
     causal = not args.bidirectional
 
     slopes = alibi_slopes(args.heads).cuda()

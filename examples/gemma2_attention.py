@@ -99,8 +99,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=256)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
+        sys.exit(f"{parser.prog} needs an NVIDIA GPU (sm_80+); PyTorch sees none on this machine")
 
     torch.manual_seed(0)
     shape = dict(hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
