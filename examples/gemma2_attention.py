@@ -71,7 +71,7 @@ class Gemma2Attention(nn.Module):
 def reference(upcast):
     """flashgen.reference's attention with attention()'s keywords: fp32 (upcast) or in the inputs' dtype."""
     def attend(q, k, v, **kwargs):
-        return naive_attention(q, k, v, upcast=upcast, **kwargs)[0]
+        return naive_attention(q, k, v, upcast=upcast, **kwargs)
     return attend
 
 
