@@ -23,8 +23,8 @@ def checked(spec, causal, softcap):
     q, k, v = (torch.randn(2, 4, 1023, spec.head_dim, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
     kwargs = {"softcap": softcap} if softcap else {}
     out = call(q, k, v, causal, None, False, False, spec=spec, **kwargs).float()
-    ref = reference.naive_attention(q, k, v, causal=causal, **kwargs)[0].float()
-    low = reference.naive_attention(q, k, v, causal=causal, upcast=False, **kwargs)[0].float()
+    ref = reference.naive_attention(q, k, v, causal=causal, **kwargs).float()
+    low = reference.naive_attention(q, k, v, causal=causal, upcast=False, **kwargs).float()
     return (out - ref).abs().max().item() <= 2 * (low - ref).abs().max().item() + 1e-5
 
 

@@ -35,8 +35,8 @@ def checked(kwargs, head_dim, causal):
         return [out.float(), *(t.grad.float() for t in leaves)]
 
     ours = run(lambda a, b, c: flashgen.attention(a, b, c, causal=causal, **kwargs))
-    ref = run(lambda a, b, c: reference.naive_attention(a, b, c, causal=causal, **kwargs)[0])
-    low = run(lambda a, b, c: reference.naive_attention(a, b, c, causal=causal, upcast=False, **kwargs)[0])
+    ref = run(lambda a, b, c: reference.naive_attention(a, b, c, causal=causal, **kwargs))
+    low = run(lambda a, b, c: reference.naive_attention(a, b, c, causal=causal, upcast=False, **kwargs))
     return all((o - r).abs().max() <= (2 if i == 0 else 3) * (lp - r).abs().max() + 1e-5
                for i, (o, r, lp) in enumerate(zip(ours, ref, low)))
 

@@ -69,8 +69,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--bidirectional", action="store_true", help="no causal mask (the bias is then -slope * |i - j|)")
     parser.add_argument("--per-batch", action="store_true", help="slopes of shape (batch, heads): each sequence its own")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
+        sys.exit(f"{parser.prog} needs an NVIDIA GPU (sm_80+); PyTorch sees none on this machine")
     causal = not args.bidirectional
 
     slopes = alibi_slopes(args.heads).cuda()
@@ -92,12 +92,12 @@ def main(argv=None) -> dict:
 
 def _check(args, causal, slopes, q, k, v, d_out) -> dict:
     ours = output_and_grads(lambda q, k, v: flashgen.attention(q, k, v, causal=causal, alibi_slopes=slopes), q, k, v, d_out)
-    low = output_and_grads(lambda q, k, v: naive_attention(q, k, v, causal=causal, alibi_slopes=slopes, upcast=False)[0], q, k, v, d_out)
-    exact = output_and_grads(lambda q, k, v: naive_attention(q, k, v, causal=causal, alibi_slopes=slopes)[0], q, k, v, d_out)
+    low = output_and_grads(lambda q, k, v: naive_attention(q, k, v, causal=causal, alibi_slopes=slopes, upcast=False), q, k, v, d_out)
+    exact = output_and_grads(lambda q, k, v: naive_attention(q, k, v, causal=causal, alibi_slopes=slopes), q, k, v, d_out)
     # the oracle against the bias written out by hand, both in fp32 throughout (leaves included, so
     # that neither output nor gradients are rounded to bf16)
     wide = [t.float() for t in (q, k, v)]
-    oracle32 = output_and_grads(lambda q, k, v: naive_attention(q, k, v, causal=causal, alibi_slopes=slopes)[0], *wide, d_out)
+    oracle32 = output_and_grads(lambda q, k, v: naive_attention(q, k, v, causal=causal, alibi_slopes=slopes), *wide, d_out)
     by_hand = output_and_grads(lambda q, k, v: biased_attention(q, k, v, slopes, causal), *wide, d_out)
     result = {}
     for name, mine, lo, ref, ref32, hand, factor in zip(("output", "gradients"), ours, low, exact, oracle32, by_hand, (2, 3)):

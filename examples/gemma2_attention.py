@@ -71,7 +71,7 @@ class Gemma2Attention(nn.Module):
 def reference(upcast):
     """flashgen.reference's attention with attention()'s keywords: fp32 (upcast) or in the inputs' dtype."""
     def attend(q, k, v, **kwargs):
-        return naive_attention(q, k, v, upcast=upcast, **kwargs)[0]
+        return naive_attention(q, k, v, upcast=upcast, **kwargs)
     return attend
 
 
@@ -99,8 +99,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=256)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
+        sys.exit(f"{parser.prog} needs an NVIDIA GPU (sm_80+); PyTorch sees none on this machine")
 
     torch.manual_seed(0)
     shape = dict(hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,

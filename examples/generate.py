@@ -211,8 +211,8 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
+        sys.exit(f"{parser.prog} needs an NVIDIA GPU (sm_80+); PyTorch sees none on this machine")
 
     model = small_llama(args.seed, args.layers)
     prompts = random_prompts(args.batch, model.config.vocab_size, args.seed)

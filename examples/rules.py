@@ -10,9 +10,17 @@ equivalents (alibi_slopes=, window_size=), which main() compares them with.
 
 from __future__ import annotations
 
+import argparse
+import os
+import sys
+
 import torch
 
-from flashgen import MaskMod, ScoreMod
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)  # flashgen from this checkout, installed or not
+
+from flashgen import MaskMod, ScoreMod  # noqa: E402
 
 
 def alibi(slopes: torch.Tensor) -> ScoreMod:
@@ -54,7 +62,11 @@ def relative_bias(table: torch.Tensor) -> ScoreMod:
                     grad="1.f", tensors={"bias": table})
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.parse_args(argv)
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
+        sys.exit(f"{parser.prog} needs an NVIDIA GPU (sm_80+); PyTorch sees none on this machine")
     import flashgen
     from flashgen.reference import naive_attention
 
@@ -73,7 +85,7 @@ def main() -> None:
     for name, (rules, builtin) in cases.items():
         out = flashgen.attention(q, k, v, **rules)
         oracle = {key: getattr(value, "python", value) for key, value in rules.items()}
-        ref = naive_attention(q, k, v, **oracle)[0]
+        ref = naive_attention(q, k, v, **oracle)
         error = (out.float() - ref.float()).abs().max().item()
         line = f"{name:15s} max |out - reference| = {error:.2e}"
         if builtin is not None:

@@ -2,6 +2,7 @@
 flashgen.attention -- and compare the loss curves and the throughput.
 
     python examples/train_gpt.py                                  # 6 layers x 6 heads of 64, T=1024, 300 steps
+    python examples/train_gpt.py --plot /tmp/losses.png           # the loss curves as a PNG too
     python examples/train_gpt.py --compile --json runs.json       # under torch.compile, curves to JSON
     python examples/train_gpt.py --device cpu --attention-only sdpa \\
         --layers 2 --heads 2 --embd 64 --block 128 --batch 4 --steps 20   # CPU smoke test (no flashgen)
@@ -449,7 +450,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-bytes", type=int, default=40_000_000, help="corpus size cap")
     p.add_argument("--deterministic", action="store_true", help="flashgen's deterministic backward")
     p.add_argument("--compile", action="store_true", help="wrap the model in torch.compile")
-    p.add_argument("--plot", default="train_gpt_losses.png", help="PNG of the curves ('' for none)")
+    p.add_argument("--plot", metavar="PATH", default=None, help="write the loss curves to this PNG (needs matplotlib; none by default)")
     p.add_argument("--json", default=None, help="write curves and throughput to this JSON file")
     p.add_argument("--quiet", action="store_true", help="no per-step lines while training")
     args = p.parse_args(argv)
@@ -458,6 +459,9 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"--embd {args.embd} is not a multiple of --heads {args.heads}")
     config = GPTConfig(block_size=args.block, n_layer=args.layers, n_head=args.heads, n_embd=args.embd)
     attentions = (args.attention_only,) if args.attention_only else ATTENTIONS
+    if "flashgen" in attentions and (not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0)):
+        sys.exit(f"{p.prog} needs an NVIDIA GPU (sm_80+) for flashgen; PyTorch sees none on this machine "
+                 "(--attention-only sdpa trains with SDPA alone)")
     result = compare(
         config, args.steps, args.seed, attentions, max_bytes=args.max_bytes, device=args.device,
         batch=args.batch, dtype=args.dtype, lr=args.lr, log_every=args.log_every, compile=args.compile,

@@ -70,8 +70,8 @@ def _check(kernel, torch) -> bool:
     variant = variant_arguments(spec, q)
     runs = {
         "flashgen": lambda: kernel(q, k, v, **variant),
-        "exact": lambda: naive_attention(q, k, v, causal=spec.causal, **variant)[0],  # fp32
-        "low": lambda: naive_attention(q, k, v, causal=spec.causal, upcast=False, **variant)[0],  # input dtype
+        "exact": lambda: naive_attention(q, k, v, causal=spec.causal, **variant),  # fp32
+        "low": lambda: naive_attention(q, k, v, causal=spec.causal, upcast=False, **variant),  # input dtype
     }
     if not variant:  # (SDPA has no variants)
         runs["sdpa"] = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=spec.causal)

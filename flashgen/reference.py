@@ -14,7 +14,90 @@ from dataclasses import dataclass
 
 import torch
 
-from .variants import UNBOUNDED, clip_window  # a window side without bound, as the kernel takes it
+from .variants import UNBOUNDED  # a window side without bound, as the kernel takes it (key_tiles mirrors the kernel)
+
+# The oracle checks its inputs with checks of its own, never the implementation's (api.py, varlen.py,
+# serving.py, variants.py): it must not share code with what it checks. Its errors name the
+# argument and what is allowed, as the public functions' do; unlike the kernels it takes any
+# floating dtype, head dim and strides, on any device.
+
+NAIVE_Q, NAIVE_KV = ("batch", "heads", "seqlen_q", "head_dim"), ("batch", "heads_kv", "seqlen_k", "head_dim")
+
+
+def _checked(q, k, v, q_layout, kv_layout, names=("q", "k", "v"), *, batch=None, scale=None, scale_name="scale",
+             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, block_table=None):
+    """The references' input checks. q_layout and kv_layout name the dimensions (the heads at
+    "heads" and "heads_kv", head_dim last; "batch" in both: one batch size); batch is the number of
+    sequences, which (batch, heads) slopes and a block_table's rows count (default: q's "batch").
+    Returns (scale, window_size, softcap), normalized: scale defaults to 1/sqrt(head_dim)."""
+    for name, t, layout in zip(names, (q, k, v), (q_layout, kv_layout, kv_layout)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != len(layout):
+            raise ValueError(f"{name} must have {len(layout)} dimensions ({', '.join(layout)}); got shape {tuple(t.shape)}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} has dtype {t.dtype}; the reference takes floating-point tensors")
+    listed = ", ".join(names)
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"{listed} must share one dtype; got " + ", ".join(f"{n} {t.dtype}" for n, t in zip(names, (q, k, v))))
+    if k.shape != v.shape:
+        raise ValueError(f"{names[1]} and {names[2]} must have one shape ({', '.join(kv_layout)}); got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    if "batch" in q_layout and "batch" in kv_layout and q.shape[q_layout.index("batch")] != k.shape[kv_layout.index("batch")]:
+        raise ValueError(f"{listed} must have one batch size; got {names[0]} {q.shape[q_layout.index('batch')]}, "
+                         f"{names[1]} {k.shape[kv_layout.index('batch')]}")
+    heads, kv_heads = q.shape[q_layout.index("heads")], k.shape[kv_layout.index("heads_kv")]
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"{names[0]} has {heads} heads and {names[1]}, {names[2]} have {kv_heads}: the number of query heads "
+                         f"must be a multiple of the number of key/value heads (GQA/MQA)")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"{listed} must have the same head_dim; got {names[0]} {q.shape[-1]}, {names[1]} {k.shape[-1]}, "
+                         f"{names[2]} {v.shape[-1]}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"{listed} must be on one device; got " + ", ".join(f"{n} {t.device}" for n, t in zip(names, (q, k, v))))
+    given = scale
+    try:
+        scale = q.shape[-1] ** -0.5 if given is None else float(given)
+    except (TypeError, ValueError):
+        scale = math.nan  # not a number: refused below
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{scale_name}={given!r}: must be a positive finite number (default 1/sqrt(head_dim))")
+    try:
+        left, right = window_size
+        ok = all(int(side) == side >= -1 for side in (left, right))
+    except (TypeError, ValueError, OverflowError):  # not a pair; not ints (int(inf) overflows)
+        ok = False
+    if not ok:
+        raise ValueError(f"window_size={window_size!r}: must be (left, right), two ints >= -1 (-1 = unbounded)")
+    try:
+        softcap = float(softcap or 0.0)
+    except (TypeError, ValueError):
+        raise ValueError(f"softcap={softcap!r}: must be a finite number >= 0 (0 = no soft-capping)") from None
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap={softcap}: must be a finite number >= 0 (0 = no soft-capping)")
+    batch = q.shape[q_layout.index("batch")] if batch is None else batch
+    if block_table is not None and not (isinstance(block_table, torch.Tensor) and block_table.dtype == torch.int32
+                                        and block_table.dim() == 2 and block_table.shape[0] == batch):
+        raise ValueError(f"block_table must be an int32 tensor (batch, max_blocks) with batch {batch}; got "
+                         f"{getattr(block_table, 'dtype', type(block_table).__name__)} {tuple(getattr(block_table, 'shape', ()))}")
+    if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, torch.Tensor):
+            raise TypeError(f"alibi_slopes must be a torch.Tensor, got {type(alibi_slopes).__name__}")
+        if alibi_slopes.dtype != torch.float32:
+            raise TypeError(f"alibi_slopes has dtype {alibi_slopes.dtype}; it must be torch.float32 (FlashAttention's rule)")
+        if tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
+            raise ValueError(f"alibi_slopes has shape {tuple(alibi_slopes.shape)}; it must be ({heads},) or ({batch}, {heads})")
+        if alibi_slopes.stride(-1) != 1:
+            raise ValueError("alibi_slopes' last dimension must be contiguous (stride 1)")
+        if alibi_slopes.device != q.device:
+            raise ValueError(f"alibi_slopes is on {alibi_slopes.device}, the inputs on {q.device}: they must be on one device")
+    return scale, (int(left), int(right)), softcap
+
+
+def _clip_window(window_size, keys: int) -> tuple[int, int]:
+    """FlashAttention's rule for its seqlen_k (the keys; varlen: max_seqlen_k; kvcache: the cache's
+    capacity): a window side of at least that many keys bounds nothing (-1)."""
+    return tuple(-1 if side >= keys else side for side in window_size)
 
 
 def visible(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
@@ -84,8 +167,11 @@ def _masked(scores, causal, window_size):
 
 
 def naive_attention(q, k, v, causal=False, scale=None, upcast=True, *, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, score_mod=None, mask_mod=None):
-    """softmax(q k^T * scale) v with the full score matrix. Returns (o, lse).
+                    alibi_slopes=None, score_mod=None, mask_mod=None, return_lse=False):
+    """softmax(q k^T * scale) v with the full score matrix: flashgen.attention in plain PyTorch, on
+    any device. q (batch, heads, seqlen_q, head_dim), k and v (batch, heads_kv, seqlen_k, head_dim),
+    heads a multiple of heads_kv, of one floating dtype. Returns out in q's dtype, and with
+    return_lse=True (out, lse), lse the (batch, heads, seqlen_q) fp32 log-sum-exp, as attention().
 
     upcast=True computes in fp32 (the reference); upcast=False keeps the inputs' dtype for the
     matmuls and the probabilities, which is what "the same computation in low precision" costs.
@@ -97,9 +183,16 @@ def naive_attention(q, k, v, causal=False, scale=None, upcast=True, *, window_si
     kv_idx) returns new scores (FlexAttention's convention: plain indices, tensors that broadcast);
     then the masks: causal, window_size=(left, right) (visible_in_window; as in flash_attn_func, a
     side of at least seqlen_k keys is unbounded), and mask_mod(b, h, q_idx, kv_idx) (True keeps).
+    The rules are Python functions: a flashgen.ScoreMod or MaskMod's twin is its .python.
     """
-    return _attention(q, k, v, causal, scale, upcast, clip_window(window_size, k.shape[-2]), softcap, alibi_slopes,
-                      score_mod, mask_mod)
+    scale, window_size, softcap = _checked(q, k, v, NAIVE_Q, NAIVE_KV, scale=scale, window_size=window_size,
+                                           softcap=softcap, alibi_slopes=alibi_slopes)
+    for name, rule in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if rule is not None and not callable(rule):
+            raise TypeError(f"{name} must be a Python function (of a flashgen rule, its .python), got {type(rule).__name__}")
+    o, lse = _attention(q, k, v, causal, scale, upcast, _clip_window(window_size, k.shape[-2]), softcap, alibi_slopes,
+                        score_mod, mask_mod)
+    return (o, lse) if return_lse else o
 
 
 def _attention(q, k, v, causal, scale, upcast, window_size, softcap=0.0, alibi_slopes=None, score_mod=None,
@@ -206,11 +299,13 @@ def tile_schedule(seqlen_q, seqlen_k, block_m, block_n, causal, window_size=(-1,
         yield m_block, list(reversed(key_tiles(m_block * block_m, block_m, block_n, seqlen_q, seqlen_k, causal, window_size)))
 
 
-def tiled_attention(q, k, v, causal=False, scale=None, block_m=64, block_n=64, record=None, window_size=(-1, -1)):
-    """Online-softmax attention over tiles, in fp32. Returns (o, lse); appends TileStates to record.
-    window_size as naive_attention's: the tiles outside the window are skipped, as the kernel does."""
+def tiled_attention(q, k, v, causal=False, scale=None, block_m=64, block_n=64, record=None, window_size=(-1, -1), *,
+                    return_lse=False):
+    """Online-softmax attention over tiles, in fp32. Returns out, or (out, lse) with return_lse, as
+    naive_attention; appends TileStates to record. window_size as naive_attention's (not clipped
+    at seqlen_k): the tiles outside the window are skipped, as the kernel does."""
+    scale, window_size, _ = _checked(q, k, v, NAIVE_Q, NAIVE_KV, scale=scale, window_size=window_size)
     dtype = q.dtype
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
     k, v = _expand_kv(q, k, v)
     q, k, v = q.float(), k.float(), v.float()
     seqlen_q, seqlen_k = q.shape[-2], k.shape[-2]
@@ -242,7 +337,7 @@ def tiled_attention(q, k, v, causal=False, scale=None, block_m=64, block_n=64, r
         seen = l > 0
         o[..., rows, :] = torch.where(seen[..., None], acc / l.clamp_min(1e-30)[..., None], 0.0)
         lse[..., rows] = torch.where(seen, m + torch.log(l.clamp_min(1e-30)), -math.inf)
-    return o.to(dtype), lse
+    return (o.to(dtype), lse) if return_lse else o.to(dtype)
 
 
 # ---- packed sequences of different lengths (flashgen.attention_varlen) -------------------------
@@ -283,15 +378,26 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     cache and sequence b's keys are the first cu_seqlens_k[b + 1] - cu_seqlens_k[b] positions of its
     pages (clamped to the table's capacity; a page outside the cache reads as zeros), as in the kernel.
     """
-    from . import variants
-    from .varlen import check_no_dropout, check_shapes
-
-    check_no_dropout(dropout_p)
-    check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kernel=False, block_table=block_table)
-    # FlashAttention's window: sides of at least max_seqlen_k unbounded (variants.make)
-    variant = variants.make(causal, window_size, softcap, alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device,
-                            keys=max_seqlen_k)
-    window_size = (variant.window_left, variant.window_right)
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0:
+        raise ValueError(f"dropout_p={dropout_p!r}: flashgen computes exact attention without dropout; pass 0.0")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32:
+            raise TypeError(f"{name} must be an int32 tensor (FlashAttention's layout), got {getattr(cu, 'dtype', type(cu).__name__)}")
+        if cu.dim() != 1 or not len(cu):
+            raise ValueError(f"{name} must have shape (batch + 1,): each sequence's first row, then the total; got {tuple(cu.shape)}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both have shape (batch + 1,); got {tuple(cu_seqlens_q.shape)} "
+                         f"and {tuple(cu_seqlens_k.shape)}")
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name}={value!r}: must be a non-negative int, the longest sequence's length")
+    batch = cu_seqlens_q.shape[0] - 1
+    paged = block_table is not None
+    kv_layout = ("num_blocks", "page_size", "heads_kv", "head_dim") if paged else ("total_k", "heads_kv", "head_dim")
+    softmax_scale, window_size, softcap = _checked(
+        q, k, v, ("total_q", "heads", "head_dim"), kv_layout, batch=batch, scale=softmax_scale, scale_name="softmax_scale",
+        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, block_table=block_table)
+    window_size = _clip_window(window_size, max_seqlen_k)  # FlashAttention's: clipped at max_seqlen_k
     starts_q = check_cu_seqlens(cu_seqlens_q, q.shape[0], max_seqlen_q, "cu_seqlens_q")
     total_k = k.shape[0] if block_table is None else int(cu_seqlens_k[-1])  # paged: the offsets give lengths only
     starts_k = check_cu_seqlens(cu_seqlens_k, total_k, max_seqlen_k, "cu_seqlens_k")
@@ -325,6 +431,16 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b):
     o of o_a's dtype.
     lse has o.shape[:-1]; a state with lse = -inf holds nothing and its o is not read (both -inf:
     o = 0, lse = -inf)."""
+    for name, t in (("o_a", o_a), ("lse_a", lse_a), ("o_b", o_b), ("lse_b", lse_b)):
+        if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point torch.Tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+    if o_a.dim() < 1 or o_b.shape != o_a.shape:
+        raise ValueError(f"o_a and o_b must have one shape (..., head_dim); got {tuple(o_a.shape)} and {tuple(o_b.shape)}")
+    for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if t.shape != o_a.shape[:-1]:  # else it would broadcast: a (batch, heads, seqlen) lse of (batch, seqlen, heads, d) outputs
+            raise ValueError(f"{name} must have shape o.shape[:-1] = {tuple(o_a.shape[:-1])} (a FlashAttention (batch, heads, "
+                             f"seqlen) lse of (batch, seqlen, heads, d) outputs is lse.transpose(1, 2)); got {tuple(t.shape)}")
+
     def wide(t):  # fp32, or fp64 for fp64 inputs
         return t.to(torch.promote_types(t.dtype, torch.float32))
 
@@ -417,15 +533,24 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
     aligned to each sequence's own length (its cache plus the new tokens), as the kernel does; a
     window side of at least the capacity is unbounded (FlashAttention's rule).
     """
-    from . import variants
-
-    batch, seqlen_q, heads, head_dim = q.shape
-    scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
     paged = block_table is not None
+    cache_layout = ("num_blocks", "page_size", "heads_kv", "head_dim") if paged else ("batch_cache", "seqlen_cache",
+                                                                                        "heads_kv", "head_dim")
+    q_layout = ("batch", "seqlen_q", "heads", "head_dim")
+    scale, window_size, softcap = _checked(
+        q, k_cache, v_cache, q_layout, cache_layout, ("q", "k_cache", "v_cache"), scale=softmax_scale,
+        scale_name="softmax_scale", window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+        block_table=block_table)
+    if (k is None) != (v is None):
+        raise ValueError(f"k and v are appended together: got k {'None' if k is None else 'a tensor'} and v "
+                         f"{'None' if v is None else 'a tensor'}")
+    if k is not None:
+        _checked(q, k, v, q_layout, ("batch", "seqlen_new", "heads_kv", "head_dim"))
+        if k.shape[2] != k_cache.shape[2]:
+            raise ValueError(f"k and v must have the caches' heads_kv, {k_cache.shape[2]}; got {k.shape[2]}")
+    batch, seqlen_q, heads, head_dim = q.shape
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    # FlashAttention's window: sides of at least the capacity unbounded (variants.make)
-    variant = variants.make(causal, window_size, softcap, alibi_slopes, batch, heads, q.device, keys=capacity)
-    window_size = (variant.window_left, variant.window_right)
+    window_size = _clip_window(window_size, capacity)  # FlashAttention's: clipped at the capacity
     if cache_seqlens is None:
         lengths = [capacity] * batch
     elif isinstance(cache_seqlens, torch.Tensor):
@@ -438,7 +563,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
     ends = [min(max(n, 0), room[b]) for b, n in enumerate(lengths)]
     pads = [min(max(p, 0), ends[b]) for b, p in enumerate(cache_leftpad.tolist())] if cache_leftpad is not None else [0] * batch
     rotary = rotary_cos is not None
-    per_token = causal or variant.window  # FlashAttention's rule for q's rotary positions
+    per_token = causal or _window_bounds(causal, window_size) is not None  # FlashAttention's rule for q's rotary positions
     outs, lses, new_keys = [], [], []
     for b in range(batch):
         positions = torch.arange(pads[b], ends[b], device=k_cache.device)

@@ -141,8 +141,8 @@ def check(problem: Problem) -> str | None:
     from .api import attention
 
     got = grads(lambda a, b, c: attention(a, b, c, causal=problem.causal, deterministic=problem.deterministic))
-    ref = grads(lambda a, b, c: naive_attention(a, b, c, problem.causal)[0], torch.float32)
-    ref_lp = grads(lambda a, b, c: naive_attention(a, b, c, problem.causal, upcast=False)[0])
+    ref = grads(lambda a, b, c: naive_attention(a, b, c, problem.causal), torch.float32)
+    ref_lp = grads(lambda a, b, c: naive_attention(a, b, c, problem.causal, upcast=False))
     factor = 3 if problem.backward else 2
     for name, g, r, r_lp in zip(("dq", "dk", "dv") if problem.backward else ("out",), got, ref, ref_lp):
         error = (g.float() - r.float()).abs().max().item()

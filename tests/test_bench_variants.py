@@ -23,19 +23,19 @@ def test_flex_gets_the_variants_flashgen_runs(causal):
     with the causal mask_mod, gives what attention()'s keywords give, through the oracle."""
     q, k, v = qkv()
     for name, (kwargs, score_mod) in bench.variant_cases(heads=4, device="cpu").items():
-        ours = naive_attention(q, k, v, causal=causal, **kwargs)[0]
-        theirs = naive_attention(q, k, v, score_mod=score_mod, mask_mod=bench._causal_mask if causal else None)[0]
+        ours = naive_attention(q, k, v, causal=causal, **kwargs)
+        theirs = naive_attention(q, k, v, score_mod=score_mod, mask_mod=bench._causal_mask if causal else None)
         torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
         if score_mod is not None:  # the variant does change the output here
-            assert (ours - naive_attention(q, k, v, causal=causal)[0]).abs().max() > 1e-3, name
+            assert (ours - naive_attention(q, k, v, causal=causal)).abs().max() > 1e-3, name
     assert set(bench.variant_cases(4, "cpu")) == {"plain", "softcap 50", "alibi"}
 
 
 def test_flex_s_window_mask_is_the_window_flashgen_runs():
     q, k, v = qkv(length=70)
-    ours = naive_attention(q, k, v, causal=True, window_size=(16 - 1, 0))[0]
-    torch.testing.assert_close(naive_attention(q, k, v, mask_mod=bench._window_mask(16))[0], ours)
-    assert (ours - naive_attention(q, k, v, causal=True)[0]).abs().max() > 1e-3
+    ours = naive_attention(q, k, v, causal=True, window_size=(16 - 1, 0))
+    torch.testing.assert_close(naive_attention(q, k, v, mask_mod=bench._window_mask(16)), ours)
+    assert (ours - naive_attention(q, k, v, causal=True)).abs().max() > 1e-3
 
 
 def test_the_alibi_slopes_are_geometric():
@@ -140,10 +140,10 @@ def test_the_report_builds_its_tables_with_stand_ins(monkeypatch):
     monkeypatch.setattr(bench, "_inputs", lambda seqlen, head_dim: inputs(seqlen, head_dim, dtype=torch.float32, device="cpu"))
 
     def oracle(kwargs):
-        return lambda q, k, v, causal: naive_attention(q, k, v, causal=causal, **kwargs)[0]
+        return lambda q, k, v, causal: naive_attention(q, k, v, causal=causal, **kwargs)
 
     def flex(score_mod, mask_mod, seqlen):
-        return lambda q, k, v, causal: naive_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)[0]
+        return lambda q, k, v, causal: naive_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
 
     calls = []
 
@@ -196,8 +196,8 @@ def test_flex_gets_the_user_rules_flashgen_runs():
     assert set(cases) == {"alibi (score rule)", "documents (mask rule)", "prefix-LM (mask rule)"}
     for name, (causal, kwargs, (score_mod, mask_mod)) in cases.items():
         twins = {key: rule.python for key, rule in kwargs.items()}
-        ours = naive_attention(q, k, v, causal=causal, **twins)[0]
-        theirs = naive_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)[0]
+        ours = naive_attention(q, k, v, causal=causal, **twins)
+        theirs = naive_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
         torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
         assert bench.rule_fields(kwargs)[0][1] == next(iter(kwargs.values())).source, name
 
@@ -229,7 +229,7 @@ def test_the_backward_is_timed_without_gradient_accumulation():
 
     def attention(q, k, v, causal):
         leaves.append(q)
-        return naive_attention(q, k, v, causal=causal)[0]
+        return naive_attention(q, k, v, causal=causal)
 
     q, k, v = (torch.randn(1, 2, 16, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
     for mode in ("bwd", "fwd+bwd"):

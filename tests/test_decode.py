@@ -265,7 +265,7 @@ def test_reference_variants_are_naive_attention_of_each_sequence(case, variant, 
         mine = dict(variant)
         if "alibi_slopes" in mine and mine["alibi_slopes"].dim() == 2:
             mine["alibi_slopes"] = mine["alibi_slopes"][b]
-        o, l = reference.naive_attention(*(t.transpose(0, 1)[None] for t in (q[b], keys, values)), causal=causal, scale=0.3, **mine)
+        o, l = reference.naive_attention(*(t.transpose(0, 1)[None] for t in (q[b], keys, values)), causal=causal, scale=0.3, **mine, return_lse=True)
         torch.testing.assert_close(out[b], o[0].transpose(0, 1), atol=1e-5, rtol=0)
         assert torch.equal(lse[b].isinf(), l[0].isinf())
         torch.testing.assert_close(lse[b][l[0].isfinite()], l[0][l[0].isfinite()], atol=1e-5, rtol=0)
@@ -308,9 +308,9 @@ def test_reference_rules_for_bad_lengths_and_pages():
 def test_reference_merge():
     gen = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(2, 3, 5, 16, generator=gen), torch.randn(2, 3, 40, 16, generator=gen), torch.randn(2, 3, 40, 16, generator=gen)
-    whole, lse = reference.naive_attention(q, k, v)
-    a, lse_a = reference.naive_attention(q, k[:, :, :13], v[:, :, :13])
-    b, lse_b = reference.naive_attention(q, k[:, :, 13:], v[:, :, 13:])
+    whole, lse = reference.naive_attention(q, k, v, return_lse=True)
+    a, lse_a = reference.naive_attention(q, k[:, :, :13], v[:, :, :13], return_lse=True)
+    b, lse_b = reference.naive_attention(q, k[:, :, 13:], v[:, :, 13:], return_lse=True)
     o, merged = reference.merge_attention_states(a, lse_a, b, lse_b)
     torch.testing.assert_close(o, whole, atol=1e-6, rtol=0)
     torch.testing.assert_close(merged, lse, atol=1e-6, rtol=0)

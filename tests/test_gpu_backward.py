@@ -49,8 +49,8 @@ def upstream_gradient(q):
 def check_gradients(q, k, v, causal, deterministic=False, d_o=None):
     d_o = upstream_gradient(q) if d_o is None else d_o
     ours = grads(lambda q, k, v: flashgen.attention(q, k, v, causal=causal, deterministic=deterministic), q, k, v, d_o)
-    ref = grads(lambda q, k, v: naive_attention(q, k, v, causal=causal)[0], q, k, v, d_o)
-    low = grads(lambda q, k, v: naive_attention(q, k, v, causal=causal, upcast=False)[0], q, k, v, d_o)
+    ref = grads(lambda q, k, v: naive_attention(q, k, v, causal=causal), q, k, v, d_o)
+    low = grads(lambda q, k, v: naive_attention(q, k, v, causal=causal, upcast=False), q, k, v, d_o)
     for name, mine, exact, lowp in zip(("out", "dq", "dk", "dv"), ours, ref, low):
         assert mine.shape == exact.shape and mine.dtype == q.dtype, name
         assert not mine.isnan().any(), f"NaN in {name}"
@@ -126,7 +126,7 @@ def test_rows_of_very_negative_scores_past_a_partial_key_tile(head_dim, determin
     q = (2.5 + noise(1, 2, 64, head_dim)).to(dtype)  # scores about -12.5 sqrt(d): -100 to -173
     k = (-5 + noise(1, 2, 100, head_dim)).to(dtype)
     v = torch.randn(1, 2, 100, head_dim, device="cuda", generator=gen).to(dtype)
-    lse = naive_attention(q, k, v)[1]
+    lse = naive_attention(q, k, v, return_lse=True)[1]
     assert lse.max().item() < -80  # the case: exp(-lse) overflows fp32
     check_gradients(q, k, v, False, deterministic)
 
@@ -157,8 +157,8 @@ def test_gradient_through_lse():
         return out.detach(), qq.grad, kk.grad, vv.grad
 
     ours = loss(lambda q, k, v: flashgen.attention(q, k, v, causal=True, return_lse=True))
-    exact = loss(lambda q, k, v: naive_attention(q, k, v, causal=True))
-    low = loss(lambda q, k, v: naive_attention(q, k, v, causal=True, upcast=False))
+    exact = loss(lambda q, k, v: naive_attention(q, k, v, causal=True, return_lse=True))
+    low = loss(lambda q, k, v: naive_attention(q, k, v, causal=True, upcast=False, return_lse=True))
     check_by_the_numerics_rule(ours, exact, low, torch.bfloat16)  # (the lse's part of dS included)
 
 
@@ -238,7 +238,7 @@ def test_prebuilt_module_is_differentiable_without_a_compiler(tmp_path):
             ours = [t.grad.float().clone() for t in (q, k, v)]
             for t in (q, k, v):
                 t.grad = None
-            naive_attention(q, k, v, causal=True)[0].float().sum().backward()
+            naive_attention(q, k, v, causal=True).float().sum().backward()
             for a, t in zip(ours, (q, k, v)):
                 assert (a - t.grad.float()).abs().max().item() < 5e-2, deterministic
                 t.grad = None
@@ -358,6 +358,6 @@ def test_expanded_inputs_and_an_expanded_gradient():
         return (out.detach(), *(t.grad for t in leaves))
 
     ours = loss(lambda q, k, v: flashgen.attention(q, k, v, causal=True))
-    exact = loss(lambda q, k, v: naive_attention(q, k, v, causal=True)[0])
-    low = loss(lambda q, k, v: naive_attention(q, k, v, causal=True, upcast=False)[0])
+    exact = loss(lambda q, k, v: naive_attention(q, k, v, causal=True))
+    low = loss(lambda q, k, v: naive_attention(q, k, v, causal=True, upcast=False))
     check_by_the_numerics_rule(ours, exact, low, torch.bfloat16)

@@ -42,8 +42,8 @@ def make_qkv(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, dtype, seed=0
 
 
 def check_against_reference(q, k, v, causal, out, lse):
-    ref, ref_lse = naive_attention(q, k, v, causal=causal)
-    ref_lp, _ = naive_attention(q, k, v, causal=causal, upcast=False)
+    ref, ref_lse = naive_attention(q, k, v, causal=causal, return_lse=True)
+    ref_lp = naive_attention(q, k, v, causal=causal, upcast=False)
     assert not out.isnan().any(), "NaN in output"
     err = (out.float() - ref.float()).abs().max().item()
     bound = 2 * (ref_lp.float() - ref.float()).abs().max().item() + 1e-5
@@ -199,7 +199,7 @@ def test_prebuilt_module_runs_without_a_compiler(tmp_path):
     out = run_prebuilt(tmp_path, spec, """
         q, k, v = (torch.randn(2, 4, 999, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         out = module.attention(q, k, v)
-        ref = naive_attention(q, k, v, causal=True)[0]
+        ref = naive_attention(q, k, v, causal=True)
         err = (out.float() - ref.float()).abs().max().item()
         assert err < 2e-2, err
         print("ok", module.spec.name, err)
@@ -215,8 +215,8 @@ def test_prebuilt_module_casts_fp32_under_autocast_like_attention(tmp_path):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             out = module.attention(q, k, v)
         low = [t.bfloat16() for t in (q, k, v)]
-        ref = naive_attention(*low, causal=True)[0]
-        ref_lp = naive_attention(*low, causal=True, upcast=False)[0]
+        ref = naive_attention(*low, causal=True)
+        ref_lp = naive_attention(*low, causal=True, upcast=False)
         assert out.dtype == torch.bfloat16, out.dtype
         err, bound = (out.float() - ref.float()).abs().max().item(), 2 * (ref_lp.float() - ref.float()).abs().max().item() + 1e-5
         assert err <= bound, (err, bound)  # the numerics rule
@@ -327,8 +327,8 @@ def test_exponentials_on_the_fma_pipes(head_dim, block_m, block_n, share, causal
     capped = tuning.forward_spec(head_dim, dtype, causal, "sm_90a", 4096, variant=("softcap",)).replace(exp2_fma=share)
     q, k, v = make_qkv(2, 4, 2, 999, 1001, head_dim, DTYPES[dtype], seed=share)
     out = call(q * 4, k, v, causal, None, False, False, spec=capped, softcap=5.0)
-    ref = naive_attention(q * 4, k, v, causal=causal, softcap=5.0)[0]
-    ref_lp = naive_attention(q * 4, k, v, causal=causal, softcap=5.0, upcast=False)[0]
+    ref = naive_attention(q * 4, k, v, causal=causal, softcap=5.0)
+    ref_lp = naive_attention(q * 4, k, v, causal=causal, softcap=5.0, upcast=False)
     err = (out.float() - ref.float()).abs().max().item()
     assert err <= 2 * (ref_lp.float() - ref.float()).abs().max().item() + 1e-5, err
 
@@ -339,7 +339,7 @@ def test_prebuilt_hopper_module_runs_without_a_compiler(tmp_path):
         q, k, v = (torch.randn(2, 4, 999, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         out = module.attention(q, k, v)
         out.sum().backward()
-        ref = naive_attention(q, k, v, causal=True)[0]
+        ref = naive_attention(q, k, v, causal=True)
         err = (out.float() - ref.float()).abs().max().item()
         assert err < 2e-2 and q.grad is not None, err
         print("ok", module.spec.name, err)

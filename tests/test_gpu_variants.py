@@ -34,8 +34,8 @@ def run_both(q, k, v, causal, variant, deterministic=False, grad=True):
     """(ours, exact, low-precision): each (out, dq, dk, dv), or (out,) without grad."""
     ours = outputs_and_grads(lambda q, k, v: flashgen.attention(q, k, v, causal=causal, deterministic=deterministic, **variant),
                              q, k, v, grad)
-    exact = outputs_and_grads(lambda q, k, v: naive_attention(q, k, v, causal=causal, **variant)[0], q, k, v, grad)
-    low = outputs_and_grads(lambda q, k, v: naive_attention(q, k, v, causal=causal, upcast=False, **variant)[0], q, k, v, grad)
+    exact = outputs_and_grads(lambda q, k, v: naive_attention(q, k, v, causal=causal, **variant), q, k, v, grad)
+    low = outputs_and_grads(lambda q, k, v: naive_attention(q, k, v, causal=causal, upcast=False, **variant), q, k, v, grad)
     return ours, exact, low
 
 
@@ -112,7 +112,7 @@ def test_a_row_whose_window_holds_no_key_is_zero_with_lse_minus_inf():
     """Tq > Tk with a left bound of 0: the first Tq - Tk rows sit before every key."""
     q, k, v = make_qkv(1, 1, 1, 64, 16, 64, torch.bfloat16)
     out, lse = flashgen.attention(q, k, v, window_size=(0, 0), return_lse=True)
-    ref, ref_lse = naive_attention(q, k, v, window_size=(0, 0))
+    ref, ref_lse = naive_attention(q, k, v, window_size=(0, 0), return_lse=True)
     assert torch.equal(lse.isinf(), ref_lse.isinf()) and lse.isinf().any()
     assert (out[..., :48, :] == 0).all()
     assert (out.float() - ref.float()).abs().max().item() < 2e-2
@@ -123,15 +123,15 @@ def test_window_sides_of_at_least_seqlen_k_are_unbounded():
     no bound, so the first rows see keys; the kernel and the oracle agree, gradients too."""
     q, k, v = make_qkv(1, 2, 2, 150, 40, 64, torch.bfloat16)
     check(q, k, v, False, dict(window_size=(20, 40)))
-    assert naive_attention(q, k, v, window_size=(20, 39))[1].isinf().any()  # right = 39 bounds: the first rows are empty
-    assert naive_attention(q, k, v, window_size=(20, 40))[1].isfinite().all()  # right = 40 does not
+    assert naive_attention(q, k, v, window_size=(20, 39), return_lse=True)[1].isinf().any()  # right = 39 bounds: the first rows are empty
+    assert naive_attention(q, k, v, window_size=(20, 40), return_lse=True)[1].isfinite().all()  # right = 40 does not
 
 
 def test_softcap_lse_is_of_the_capped_scores():
     q, k, v = make_qkv(1, 2, 2, 200, 200, 64, torch.bfloat16)
     q = q * 4  # large scores, where the cap matters
     _, lse = flashgen.attention(q, k, v, softcap=3.0, return_lse=True)
-    _, ref_lse = naive_attention(q, k, v, softcap=3.0)
+    _, ref_lse = naive_attention(q, k, v, softcap=3.0, return_lse=True)
     assert (lse - ref_lse).abs().max().item() < 1e-2
 
 
@@ -152,7 +152,7 @@ def test_softcap_at_saturation(causal, softcap, seqlen_q):
     v = torch.randn(2, 2, seqlen_k, head_dim, device="cuda", generator=gen)
     q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
     variant = dict(softcap=softcap)
-    _, ref_lse = naive_attention(q, k, v, causal=causal, **variant)
+    _, ref_lse = naive_attention(q, k, v, causal=causal, **variant, return_lse=True)
     seen = ref_lse.isfinite()
     assert ref_lse[..., 0::2][seen[..., 0::2]].min() > softcap - 1 and ref_lse[..., 1::2][seen[..., 1::2]].max() < -softcap + 8
     check(q, k, v, causal, variant, grad=False)
@@ -183,10 +183,10 @@ def test_cuda_graph_replays_a_new_window_and_cap():
         out = flashgen.attention(q, k, v, window_size=(16, 16), softcap=4.0)
     graph.replay()
     torch.cuda.synchronize()
-    ref = naive_attention(q, k, v, window_size=(16, 16), softcap=4.0)[0]
+    ref = naive_attention(q, k, v, window_size=(16, 16), softcap=4.0)
     assert (out.float() - ref.float()).abs().max().item() < 2e-2
     other = flashgen.attention(q, k, v, window_size=(40, 3), softcap=9.0)
-    ref = naive_attention(q, k, v, window_size=(40, 3), softcap=9.0)[0]
+    ref = naive_attention(q, k, v, window_size=(40, 3), softcap=9.0)
     assert (other.float() - ref.float()).abs().max().item() < 2e-2
 
 
@@ -235,8 +235,8 @@ def check_forward(q, k, v, causal, variant, spec):
     from flashgen.api import call
 
     out, lse = call(q, k, v, causal, None, True, False, spec=spec, **variant)
-    ref, ref_lse = naive_attention(q, k, v, causal=causal, **variant)
-    low, _ = naive_attention(q, k, v, causal=causal, upcast=False, **variant)
+    ref, ref_lse = naive_attention(q, k, v, causal=causal, **variant, return_lse=True)
+    low = naive_attention(q, k, v, causal=causal, upcast=False, **variant)
     assert not out.isnan().any()
     err, bound = (out.float() - ref.float()).abs().max().item(), 2 * (low.float() - ref.float()).abs().max().item() + 1e-5
     assert err <= bound, f"{spec.name}: max error {err:.3e} > bound {bound:.3e}"

@@ -16,7 +16,7 @@ from flashgen.reference import naive_attention
 
 def oracle_attention(q, k, v, *, causal=False, scale=None, return_lse=False, deterministic=False,
                      window_size=(-1, -1), softcap=0.0):
-    return naive_attention(q, k, v, causal=causal, scale=scale, window_size=window_size, softcap=softcap)[0]
+    return naive_attention(q, k, v, causal=causal, scale=scale, window_size=window_size, softcap=softcap)
 
 
 def oracle_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None,
@@ -29,7 +29,7 @@ def oracle_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     outs = []
     for b in range(len(starts_q) - 1):
         q_b, k_b, v_b = (t[s[b]:s[b + 1]].transpose(0, 1)[None] for t, s in ((q, starts_q), (k, starts_k), (v, starts_k)))
-        o = naive_attention(q_b, k_b, v_b, causal=causal, scale=softmax_scale, window_size=window_size, softcap=softcap)[0]
+        o = naive_attention(q_b, k_b, v_b, causal=causal, scale=softmax_scale, window_size=window_size, softcap=softcap)
         outs.append(o[0].transpose(0, 1))
     return torch.cat(outs)
 
@@ -69,7 +69,7 @@ def test_a_padded_batch_attends_each_row_s_real_tokens_alone(oracle, side):
     assert weights is None and out.shape == (2, 7, 4, 16)
     for row in range(2):
         keep = mask[row]
-        alone = naive_attention(q[row:row + 1, :, keep], k[row:row + 1, :, keep], v[row:row + 1, :, keep], causal=True, scale=0.25)[0]
+        alone = naive_attention(q[row:row + 1, :, keep], k[row:row + 1, :, keep], v[row:row + 1, :, keep], causal=True, scale=0.25)
         torch.testing.assert_close(out[row, keep], alone[0].transpose(0, 1), atol=1e-6, rtol=0)
         assert torch.equal(out[row, ~keep], torch.zeros_like(out[row, ~keep]))  # padded query rows
     (cu_q, cu_k, max_q, max_k, variants), = oracle
@@ -80,7 +80,7 @@ def test_a_padded_batch_attends_each_row_s_real_tokens_alone(oracle, side):
 def test_no_mask_runs_attention_and_packed_sequences_run_varlen_directly(oracle):
     q, k, v = qkv(batch=1)
     out, _ = hook.attention_forward(MODULE, q, k, v, None)
-    torch.testing.assert_close(out, naive_attention(q, k, v, causal=True)[0].transpose(1, 2))
+    torch.testing.assert_close(out, naive_attention(q, k, v, causal=True).transpose(1, 2))
     cu = torch.tensor([0, 3, 7])
     out, _ = hook.attention_forward(MODULE, q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=4, max_length_k=4)
     expected = reference.attention_varlen(*(t[0].transpose(0, 1) for t in (q, k, v)), cu.int(), cu.int(), 4, 4, causal=True)
@@ -114,7 +114,7 @@ def test_a_sliding_window_and_softcap_reach_the_kernels_and_count_real_tokens(or
 def per_sequence(q, k, v, cu, causal=True):
     """Each packed sequence (cu over the length) of one row attended alone: (length, heads, d)."""
     starts = cu.tolist()
-    return torch.cat([naive_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], causal=causal)[0][0].transpose(0, 1)
+    return torch.cat([naive_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], causal=causal)[0].transpose(0, 1)
                       for a, b in zip(starts, starts[1:])])
 
 
@@ -128,7 +128,7 @@ def test_sequences_packed_by_position_ids_alone_attend_each_alone(oracle):
     assert cu_q.tolist() == cu_k.tolist() == [0, 3, 7] and cu_q.dtype == torch.int32 and (max_q, max_k) == (4, 4)
     for run in (torch.arange(7)[None], torch.arange(5, 12)[None]):
         out, _ = hook.attention_forward(MODULE, q, k, v, None, position_ids=run)
-        torch.testing.assert_close(out, naive_attention(q, k, v, causal=True)[0].transpose(1, 2))
+        torch.testing.assert_close(out, naive_attention(q, k, v, causal=True).transpose(1, 2))
     assert len(oracle) == 1
 
 
@@ -151,7 +151,7 @@ def test_cross_attention_keeps_every_query_row(oracle, seqlen_q):
     out, _ = hook.attention_forward(SimpleNamespace(training=False, is_causal=False), q, k, v, mask, is_causal=False)
     for row in range(2):
         keep = mask[row]
-        alone = naive_attention(q[row:row + 1], k[row:row + 1, :, keep], v[row:row + 1, :, keep])[0]
+        alone = naive_attention(q[row:row + 1], k[row:row + 1, :, keep], v[row:row + 1, :, keep])
         torch.testing.assert_close(out[row], alone[0].transpose(0, 1), atol=1e-6, rtol=0)
 
 
@@ -164,7 +164,7 @@ def test_a_static_cache_s_empty_slots_are_cut(oracle):
     out, _ = hook.attention_forward(MODULE, q, k, v, mask)
     for row in range(2):
         keep = mask[row]
-        alone = naive_attention(q[row:row + 1], k[row:row + 1, :, :5][:, :, keep], v[row:row + 1, :, :5][:, :, keep], causal=True)[0]
+        alone = naive_attention(q[row:row + 1], k[row:row + 1, :, :5][:, :, keep], v[row:row + 1, :, :5][:, :, keep], causal=True)
         torch.testing.assert_close(out[row], alone[0].transpose(0, 1), atol=1e-6, rtol=0)
 
 
@@ -188,7 +188,7 @@ def test_settings_that_change_nothing_pass(monkeypatch):
     seen = record(monkeypatch)
     q, k, v = qkv(batch=1)
     out, _ = hook.attention_forward(MODULE, q, k, v, None, sliding_window=7, softcap=0.0)
-    torch.testing.assert_close(out, naive_attention(q, k, v, causal=True)[0].transpose(1, 2))
+    torch.testing.assert_close(out, naive_attention(q, k, v, causal=True).transpose(1, 2))
     hook.attention_forward(MODULE, q, k, v, None, sliding_window=None, softcap=None)
     assert seen == [{}, {}]
 

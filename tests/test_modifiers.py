@@ -127,11 +127,11 @@ def test_the_block_mask_lists_listed_tiles_first_in_order(monkeypatch):
 def test_example_rules_equal_the_builtins_in_the_oracle():
     q, k, v = (torch.randn(2, 4, 70, 16, dtype=torch.float64) for _ in range(3))
     slopes = torch.rand(4)  # fp32, as FlashAttention takes them
-    a = naive_attention(q, k, v, causal=True, score_mod=rules.alibi(slopes).python)
-    b = naive_attention(q, k, v, causal=True, alibi_slopes=slopes)
+    a = naive_attention(q, k, v, causal=True, score_mod=rules.alibi(slopes).python, return_lse=True)
+    b = naive_attention(q, k, v, causal=True, alibi_slopes=slopes, return_lse=True)
     torch.testing.assert_close(a, b)
-    a = naive_attention(q, k, v, causal=True, mask_mod=rules.sliding_window(9).python)
-    b = naive_attention(q, k, v, causal=True, window_size=(9, 0))
+    a = naive_attention(q, k, v, causal=True, mask_mod=rules.sliding_window(9).python, return_lse=True)
+    b = naive_attention(q, k, v, causal=True, window_size=(9, 0), return_lse=True)
     torch.testing.assert_close(a, b)
 
 

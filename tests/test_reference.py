@@ -16,14 +16,14 @@ O3 = torch.tensor([[10.0, 0.0], [5.0, 10.0], [40 / 3, 50 / 3]])
 
 
 def test_three_tokens_naive():
-    o, lse = naive_attention(Q3, K3, V3, causal=True)
+    o, lse = naive_attention(Q3, K3, V3, causal=True, return_lse=True)
     torch.testing.assert_close(o[0, 0], O3, atol=1e-3, rtol=0)
     torch.testing.assert_close(lse[0, 0], torch.log(torch.tensor([1.0, 2.0, 3.0])))
 
 
 @pytest.mark.parametrize("block_m, block_n", [(1, 1), (2, 2), (3, 3), (1, 2)])
 def test_three_tokens_tiled(block_m, block_n):
-    o, lse = tiled_attention(Q3, K3, V3, causal=True, block_m=block_m, block_n=block_n)
+    o, lse = tiled_attention(Q3, K3, V3, causal=True, block_m=block_m, block_n=block_n, return_lse=True)
     torch.testing.assert_close(o[0, 0], O3, atol=1e-3, rtol=0)
     torch.testing.assert_close(lse[0, 0], torch.log(torch.tensor([1.0, 2.0, 3.0])))
 
@@ -46,8 +46,8 @@ def test_tiled_matches_naive(shape, causal):
     q = torch.randn(batch, heads, seqlen_q, head_dim, generator=gen)
     k = torch.randn(batch, kv_heads, seqlen_k, head_dim, generator=gen)
     v = torch.randn(batch, kv_heads, seqlen_k, head_dim, generator=gen)
-    o, lse = tiled_attention(q, k, v, causal=causal, scale=0.3, block_m=block_m, block_n=block_n)
-    ref, ref_lse = naive_attention(q, k, v, causal=causal, scale=0.3)
+    o, lse = tiled_attention(q, k, v, causal=causal, scale=0.3, block_m=block_m, block_n=block_n, return_lse=True)
+    ref, ref_lse = naive_attention(q, k, v, causal=causal, scale=0.3, return_lse=True)
     assert o.shape == q.shape and lse.shape == q.shape[:3]
     torch.testing.assert_close(o, ref, atol=1e-5, rtol=0)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=0)
@@ -56,9 +56,9 @@ def test_tiled_matches_naive(shape, causal):
 def test_gqa_uses_the_right_kv_head():
     q = torch.randn(1, 4, 5, 8)
     k, v = torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
-    o, _ = naive_attention(q, k, v)
+    o = naive_attention(q, k, v)
     for head in range(4):  # query heads 0, 1 read kv head 0; heads 2, 3 read kv head 1
-        alone, _ = naive_attention(q[:, head : head + 1], k[:, head // 2 : head // 2 + 1], v[:, head // 2 : head // 2 + 1])
+        alone = naive_attention(q[:, head : head + 1], k[:, head // 2 : head // 2 + 1], v[:, head // 2 : head // 2 + 1])
         torch.testing.assert_close(o[:, head], alone[:, 0])
 
 
@@ -67,8 +67,8 @@ def test_rows_with_no_visible_key(block_m, block_n):
     q, k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
     # bottom-right aligned, Tq=5, Tk=3: query i sees keys j <= i - 2, so rows 0 and 1 see nothing
     for o, lse in (
-        naive_attention(q, k, v, causal=True),
-        tiled_attention(q, k, v, causal=True, block_m=block_m, block_n=block_n),
+        naive_attention(q, k, v, causal=True, return_lse=True),
+        tiled_attention(q, k, v, causal=True, block_m=block_m, block_n=block_n, return_lse=True),
     ):
         assert torch.equal(o[..., :2, :], torch.zeros(1, 2, 2, 8))
         assert torch.equal(lse[..., :2], torch.full((1, 2, 2), -math.inf))
@@ -120,8 +120,8 @@ def test_record_of_three_tokens_matches_hand_computation():
 def test_low_precision_reference_differs_a_little():
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 64, 64, generator=gen).to(torch.bfloat16) for _ in range(3))
-    exact, _ = naive_attention(q, k, v)
-    low, _ = naive_attention(q, k, v, upcast=False)
+    exact = naive_attention(q, k, v)
+    low = naive_attention(q, k, v, upcast=False)
     assert exact.dtype == low.dtype == torch.bfloat16
     diff = (exact.float() - low.float()).abs().max().item()
     assert 0 < diff < 0.05
@@ -189,8 +189,182 @@ def test_tiled_attention_skips_the_tiles_outside_a_window_and_still_matches():
     q, k, v = (torch.randn(1, 2, n, 16, generator=gen) for n in (90, 120, 120))
     for causal, window in ((True, (20, 0)), (False, (10, 33)), (False, (-1, 5))):
         record = []
-        o, lse = tiled_attention(q, k, v, causal=causal, block_m=16, block_n=16, record=record, window_size=window)
-        ref_o, ref_lse = naive_attention(q, k, v, causal=causal, window_size=window)
+        o, lse = tiled_attention(q, k, v, causal=causal, block_m=16, block_n=16, record=record, window_size=window, return_lse=True)
+        ref_o, ref_lse = naive_attention(q, k, v, causal=causal, window_size=window, return_lse=True)
         torch.testing.assert_close(o, ref_o, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
         assert len(record) == len(seen_tiles(90, 120, 16, 16, causal, window)) < 6 * 8
+
+
+# ---- the references return what the public functions return, and check their inputs themselves ----------
+
+
+def test_out_alone_unless_return_lse_as_the_public_functions():
+    import inspect
+
+    import flashgen
+    from flashgen import reference
+
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)
+    for fn in (naive_attention, tiled_attention):
+        out = fn(q, k, v, causal=True)
+        assert isinstance(out, torch.Tensor) and out.shape == q.shape, fn.__name__
+        same, lse = fn(q, k, v, causal=True, return_lse=True)
+        assert torch.equal(same, out) and lse.shape == (2, 4, 5) and lse.dtype == torch.float32, fn.__name__
+    packed = [t[0].transpose(0, 1) for t in (q, k, v)]  # one sequence, (rows, heads, d)
+    cu_q, cu_k = torch.tensor([0, 5], dtype=torch.int32), torch.tensor([0, 7], dtype=torch.int32)
+    out = reference.attention_varlen(*packed, cu_q, cu_k, 5, 7)
+    same, lse = reference.attention_varlen(*packed, cu_q, cu_k, 5, 7, return_lse=True)
+    assert torch.equal(same, out) and out.shape == (5, 4, 8) and lse.shape == (4, 5)
+    q_bshd, k_cache, v_cache = (t.transpose(1, 2) for t in (q, k, v))
+    out = reference.attention_with_kvcache(q_bshd, k_cache, v_cache)
+    same, lse = reference.attention_with_kvcache(q_bshd, k_cache, v_cache, return_softmax_lse=True)
+    assert torch.equal(same, out) and out.shape == (2, 5, 4, 8) and lse.shape == (2, 4, 5)
+    # the same name for the flag as the public counterpart (FlashAttention's)
+    for public, oracle, flag in ((flashgen.attention, naive_attention, "return_lse"),
+                                 (flashgen.attention_varlen, reference.attention_varlen, "return_lse"),
+                                 (flashgen.attention_with_kvcache, reference.attention_with_kvcache, "return_softmax_lse")):
+        assert flag in inspect.signature(public).parameters and flag in inspect.signature(oracle).parameters, flag
+
+
+def bhsd(batch=2, heads=4, kv_heads=2, seqlen_q=5, seqlen_k=7, d=8, **changes):
+    """naive_attention's arguments, with changes."""
+    q, k, v = torch.randn(batch, heads, seqlen_q, d), torch.randn(batch, kv_heads, seqlen_k, d), torch.randn(batch, kv_heads, seqlen_k, d)
+    return {"q": q, "k": k, "v": v, **changes}
+
+
+NAIVE_ERRORS = [  # each one ran without a word (a wrong answer) or died in a matmul before the reference checked it
+    (TypeError, "q must be a torch.Tensor, got list", dict(q=[[1.0]])),
+    (ValueError, r"k must have 4 dimensions \(batch, heads_kv, seqlen_k, head_dim\); got shape \(2, 7, 8\)", dict(k=torch.zeros(2, 7, 8))),
+    (TypeError, "q has dtype torch.int64; the reference takes floating-point tensors", dict(q=torch.zeros(2, 4, 5, 8, dtype=torch.long))),
+    (TypeError, "q, k, v must share one dtype; got q torch.float32, k torch.float32, v torch.float64",
+     dict(v=torch.zeros(2, 2, 7, 8, dtype=torch.float64))),
+    (ValueError, r"k and v must have one shape .* got \(2, 2, 7, 8\) and \(2, 2, 6, 8\)", dict(v=torch.zeros(2, 2, 6, 8))),
+    (ValueError, "q, k, v must have one batch size; got q 2, k 1", dict(k=torch.zeros(1, 2, 7, 8), v=torch.zeros(1, 2, 7, 8))),
+    (ValueError, "q has 4 heads and k, v have 3: the number of query heads must be a multiple of the number of key/value heads",
+     dict(k=torch.zeros(2, 3, 7, 8), v=torch.zeros(2, 3, 7, 8))),
+    (ValueError, "q has 4 heads and k, v have 0", dict(k=torch.zeros(2, 0, 7, 8), v=torch.zeros(2, 0, 7, 8))),
+    (ValueError, "q, k, v must have the same head_dim; got q 8, k 16, v 16", dict(k=torch.zeros(2, 2, 7, 16), v=torch.zeros(2, 2, 7, 16))),
+    (ValueError, "q, k, v must be on one device; got q cpu, k meta, v cpu", dict(k=torch.zeros(2, 2, 7, 8, device="meta"))),
+    (ValueError, r"window_size=\(-2, 0\): must be \(left, right\), two ints >= -1", dict(window_size=(-2, 0))),
+    (ValueError, r"window_size=\(0, -5\)", dict(window_size=(0, -5))),
+    (ValueError, r"window_size=\(1.5, 0\)", dict(window_size=(1.5, 0))),
+    (ValueError, r"window_size=\(3,\): must be \(left, right\)", dict(window_size=(3,))),
+    (ValueError, r"window_size=\(1, 2, 3\)", dict(window_size=(1, 2, 3))),
+    (ValueError, r"window_size=\(inf, 0\)", dict(window_size=(math.inf, 0))),
+    (ValueError, "window_size=None", dict(window_size=None)),
+    (ValueError, "softcap=-1.0: must be a finite number >= 0", dict(softcap=-1)),
+    (ValueError, "softcap=nan", dict(softcap=math.nan)),
+    (ValueError, "softcap=inf", dict(softcap=math.inf)),
+    (ValueError, "softcap='big'", dict(softcap="big")),
+    (TypeError, "alibi_slopes must be a torch.Tensor, got list", dict(alibi_slopes=[0.5] * 4)),
+    (TypeError, "alibi_slopes has dtype torch.float64; it must be torch.float32", dict(alibi_slopes=torch.ones(4, dtype=torch.float64))),
+    (ValueError, r"alibi_slopes has shape \(2,\); it must be \(4,\) or \(2, 4\)", dict(alibi_slopes=torch.ones(2))),
+    (ValueError, r"alibi_slopes has shape \(4, 2\); it must be \(4,\) or \(2, 4\)", dict(alibi_slopes=torch.ones(4, 2))),
+    (ValueError, "alibi_slopes' last dimension must be contiguous", dict(alibi_slopes=torch.ones(2, 8)[:, ::2])),
+    (ValueError, "alibi_slopes is on meta, the inputs on cpu", dict(alibi_slopes=torch.ones(4, device="meta"))),
+    (ValueError, "scale=-1: must be a positive finite number", dict(scale=-1)),
+    (ValueError, "scale=0.0: must be a positive finite number", dict(scale=0.0)),
+    (ValueError, "scale=inf", dict(scale=math.inf)),
+    (ValueError, "scale=nan", dict(scale=math.nan)),
+    (ValueError, "scale='big'", dict(scale="big")),
+    (TypeError, r"score_mod must be a Python function \(of a flashgen rule, its .python\), got ScoreMod",
+     dict(score_mod="ScoreMod")),
+    (TypeError, "mask_mod must be a Python function", dict(mask_mod=True)),
+]
+
+
+@pytest.mark.parametrize("error, match, changes", NAIVE_ERRORS, ids=[m[:40] for _, m, _ in NAIVE_ERRORS])
+def test_naive_attention_names_what_is_wrong(error, match, changes):
+    if changes.get("score_mod") == "ScoreMod":  # the rule itself, where its Python twin belongs
+        from flashgen import ScoreMod
+
+        changes = dict(score_mod=ScoreMod("score", lambda score, b, h, q_idx, kv_idx: score))
+    with pytest.raises(error, match=match):
+        naive_attention(**bhsd(**changes))
+    if "score_mod" not in changes and "mask_mod" not in changes and "alibi_slopes" not in changes and "softcap" not in changes:
+        with pytest.raises(error, match=match):  # the tiled walk takes the same checks
+            tiled_attention(**bhsd(**changes))
+
+
+def test_the_checks_pass_what_the_oracle_takes_beyond_the_kernels():
+    """Any floating dtype and head dim, any strides, -1 sides, a zero softcap, (batch, heads) slopes."""
+    args = bhsd(d=12)
+    args["q"] = args["q"].double().transpose(2, 3).contiguous().transpose(2, 3)  # head_dim not contiguous
+    args["k"], args["v"] = args["k"].double(), args["v"].double()
+    out = naive_attention(**args, causal=True, window_size=(-1, 3), softcap=0, alibi_slopes=torch.ones(2, 4), scale=1)
+    assert out.dtype == torch.float64 and out.isfinite().all()
+
+
+def packed(**changes):
+    """attention_varlen's arguments (two sequences), with changes."""
+    base = dict(q=torch.randn(9, 4, 8), k=torch.randn(12, 2, 8), v=torch.randn(12, 2, 8),
+                cu_seqlens_q=torch.tensor([0, 4, 9], dtype=torch.int32), cu_seqlens_k=torch.tensor([0, 5, 12], dtype=torch.int32),
+                max_seqlen_q=5, max_seqlen_k=7)
+    return {**base, **changes}
+
+
+def kvcache(**changes):
+    """attention_with_kvcache's arguments (a contiguous cache, two new tokens), with changes."""
+    base = dict(q=torch.randn(2, 3, 4, 8), k_cache=torch.randn(2, 16, 2, 8), v_cache=torch.randn(2, 16, 2, 8),
+                k=torch.randn(2, 2, 2, 8), v=torch.randn(2, 2, 2, 8), cache_seqlens=5)
+    return {**base, **changes}
+
+
+SERVING_ERRORS = [  # the same checks, by the serving references' names
+    ("varlen", ValueError, r"k must have 3 dimensions \(total_k, heads_kv, head_dim\)", dict(k=torch.zeros(12, 16))),
+    ("varlen", ValueError, "q has 4 heads and k, v have 3", dict(k=torch.zeros(12, 3, 8), v=torch.zeros(12, 3, 8))),
+    ("varlen", ValueError, "softmax_scale=-0.5: must be a positive finite number", dict(softmax_scale=-0.5)),
+    ("varlen", ValueError, r"alibi_slopes has shape \(3, 4\); it must be \(4,\) or \(2, 4\)", dict(alibi_slopes=torch.ones(3, 4))),
+    ("varlen", TypeError, r"cu_seqlens_k must be an int32 tensor \(FlashAttention's layout\), got torch.int64",
+     dict(cu_seqlens_k=torch.tensor([0, 5, 12]))),
+    ("varlen", TypeError, r"cu_seqlens_q must be an int32 tensor .* got list", dict(cu_seqlens_q=[0, 4, 9])),
+    ("varlen", ValueError, r"cu_seqlens_q must have shape \(batch \+ 1,\): .* got \(1, 3\)",
+     dict(cu_seqlens_q=torch.tensor([[0, 4, 9]], dtype=torch.int32))),
+    ("varlen", ValueError, r"cu_seqlens_q and cu_seqlens_k must both have shape \(batch \+ 1,\); got \(3,\) and \(2,\)",
+     dict(cu_seqlens_k=torch.tensor([0, 12], dtype=torch.int32))),
+    ("varlen", ValueError, "max_seqlen_k=True: must be a non-negative int", dict(max_seqlen_k=True)),
+    ("varlen", ValueError, "dropout_p=0.1: flashgen computes exact attention without dropout; pass 0.0", dict(dropout_p=0.1)),
+    ("varlen", ValueError, r"block_table must be an int32 tensor \(batch, max_blocks\) with batch 2; got torch.int32 \(3, 1\)",
+     dict(k=torch.zeros(4, 16, 2, 8), v=torch.zeros(4, 16, 2, 8), block_table=torch.zeros(3, 1, dtype=torch.int32))),
+    ("varlen", ValueError, r"k must have 4 dimensions \(num_blocks, page_size, heads_kv, head_dim\)",
+     dict(block_table=torch.zeros(2, 1, dtype=torch.int32))),
+    ("kvcache", ValueError, "q has 4 heads and k_cache, v_cache have 3",
+     dict(k_cache=torch.zeros(2, 16, 3, 8), v_cache=torch.zeros(2, 16, 3, 8))),
+    ("kvcache", ValueError, "q, k_cache, v_cache must have the same head_dim; got q 8, k_cache 16",
+     dict(k_cache=torch.zeros(2, 16, 2, 16), v_cache=torch.zeros(2, 16, 2, 16))),
+    ("kvcache", TypeError, "q, k_cache, v_cache must share one dtype", dict(k_cache=torch.zeros(2, 16, 2, 8, dtype=torch.bfloat16))),
+    ("kvcache", ValueError, "softmax_scale=nan", dict(softmax_scale=math.nan)),
+    ("kvcache", ValueError, r"window_size=\(-2, 0\)", dict(window_size=(-2, 0))),
+    ("kvcache", ValueError, "softcap=-1.0", dict(softcap=-1.0)),
+    ("kvcache", ValueError, "q, k, v must have one batch size; got q 2, k 1", dict(k=torch.zeros(1, 2, 2, 8), v=torch.zeros(1, 2, 2, 8))),
+    ("kvcache", ValueError, "k and v must have the caches' heads_kv, 2; got 1", dict(k=torch.zeros(2, 2, 1, 8), v=torch.zeros(2, 2, 1, 8))),
+    ("kvcache", ValueError, "k and v are appended together: got k a tensor and v None", dict(v=None)),
+    ("kvcache", ValueError, r"block_table must be an int32 tensor \(batch, max_blocks\) with batch 2; got torch.int64",
+     dict(block_table=torch.zeros(2, 1, dtype=torch.long))),
+]
+
+
+@pytest.mark.parametrize("which, error, match, changes", SERVING_ERRORS, ids=[f"{w}-{m[:40]}" for w, _, m, _ in SERVING_ERRORS])
+def test_the_serving_references_name_what_is_wrong(which, error, match, changes):
+    from flashgen import reference
+
+    fn, args = (reference.attention_varlen, packed) if which == "varlen" else (reference.attention_with_kvcache, kvcache)
+    fn(**args())  # good as given
+    with pytest.raises(error, match=match):
+        fn(**args(**changes))
+
+
+def test_merge_refuses_lse_of_the_wrong_shape():
+    """A FlashAttention (batch, heads, seqlen) lse of one-token outputs (batch, 1, heads, d) would
+    broadcast into a (batch, heads, heads, d) answer."""
+    from flashgen import reference
+
+    o, lse = torch.randn(2, 1, 4, 8), torch.randn(2, 1, 4)
+    reference.merge_attention_states(o, lse, o, lse)
+    with pytest.raises(ValueError, match=r"lse_b must have shape o.shape\[:-1\] = \(2, 1, 4\) .* got \(2, 4, 1\)"):
+        reference.merge_attention_states(o, lse, o, lse.transpose(1, 2))
+    with pytest.raises(ValueError, match=r"o_a and o_b must have one shape \(..., head_dim\); got \(2, 1, 4, 8\) and \(2, 4, 1, 8\)"):
+        reference.merge_attention_states(o, lse, o.transpose(1, 2), lse)
+    with pytest.raises(TypeError, match="lse_a must be a floating-point torch.Tensor, got list"):
+        reference.merge_attention_states(o, [0.0], o, lse)

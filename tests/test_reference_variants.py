@@ -79,25 +79,25 @@ def test_variants_match_attention_written_out(case, seqlen_q, seqlen_k):
     scale = 0.3
     got = naive_attention(q, k, v, causal=case.get("causal", False), scale=scale, window_size=case.get("window", (-1, -1)),
                           softcap=case.get("softcap", 0.0), alibi_slopes=case.get("slopes"),
-                          score_mod=case.get("score_mod"), mask_mod=case.get("mask_mod"))
+                          score_mod=case.get("score_mod"), mask_mod=case.get("mask_mod"), return_lse=True)
     close(got, by_hand(q, k, v, scale, **case))
 
 
 def test_builtins_equal_the_same_rules_as_modifiers():
     q, k, v = inputs(seqlen_q=9, seqlen_k=13)
     shift = 13 - 9
-    window = naive_attention(q, k, v, window_size=(3, 0))
-    as_mask = naive_attention(q, k, v, mask_mod=lambda b, h, i, j: (j <= i + shift) & (j >= i + shift - 3))
+    window = naive_attention(q, k, v, window_size=(3, 0), return_lse=True)
+    as_mask = naive_attention(q, k, v, mask_mod=lambda b, h, i, j: (j <= i + shift) & (j >= i + shift - 3), return_lse=True)
     assert torch.allclose(window[0], as_mask[0]) and torch.equal(window[1], as_mask[1])
-    alibi = naive_attention(q, k, v, alibi_slopes=SLOPES)
-    as_score = naive_attention(q, k, v, score_mod=lambda s, b, h, i, j: s - SLOPES[h] * (i + shift - j).abs())
+    alibi = naive_attention(q, k, v, alibi_slopes=SLOPES, return_lse=True)
+    as_score = naive_attention(q, k, v, score_mod=lambda s, b, h, i, j: s - SLOPES[h] * (i + shift - j).abs(), return_lse=True)
     assert torch.allclose(alibi[0], as_score[0], atol=1e-6) and torch.allclose(alibi[1], as_score[1], atol=1e-6)
 
 
 def test_no_variant_is_the_plain_computation():
     q, k, v = inputs()
-    plain = naive_attention(q, k, v, causal=True)
-    assert torch.equal(plain[0], naive_attention(q, k, v, causal=True, window_size=(-1, -1), softcap=0.0)[0])
+    plain = naive_attention(q, k, v, causal=True, return_lse=True)
+    assert torch.equal(plain[0], naive_attention(q, k, v, causal=True, window_size=(-1, -1), softcap=0.0))
 
 
 def test_window_sides_of_at_least_seqlen_k_are_unbounded():
@@ -105,10 +105,10 @@ def test_window_sides_of_at_least_seqlen_k_are_unbounded():
     plus one, an unclipped right side would hide every key from the first rows."""
     q, k, v = inputs(seqlen_q=11, seqlen_k=4)
     scale = 8**-0.5
-    got = naive_attention(q, k, v, window_size=(2, 4))
+    got = naive_attention(q, k, v, window_size=(2, 4), return_lse=True)
     close(got, by_hand(q, k, v, scale, window=(2, -1)))
     assert by_hand(q, k, v, scale, window=(2, 4))[1].isinf().any() and not got[1].isinf().any()  # the rule shows
-    close(naive_attention(q, k, v, window_size=(4, 3)), by_hand(q, k, v, scale, window=(-1, 3)))
+    close(naive_attention(q, k, v, window_size=(4, 3), return_lse=True), by_hand(q, k, v, scale, window=(-1, 3)))
 
 
 def test_the_api_runs_a_window_of_only_such_sides_as_no_window():

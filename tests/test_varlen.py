@@ -339,7 +339,7 @@ def test_reference_is_naive_attention_of_each_sequence(causal):
     for b in range(len(lengths_q)):
         rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         one = [t[s].transpose(0, 1)[None] for t, s in ((q, rows), (k, keys), (v, keys))]
-        ref, ref_lse = naive_attention(*one, causal=causal, scale=0.3)
+        ref, ref_lse = naive_attention(*one, causal=causal, scale=0.3, return_lse=True)
         torch.testing.assert_close(out[rows], ref[0].transpose(0, 1), atol=1e-6, rtol=0)
         torch.testing.assert_close(lse[:, rows], ref_lse[0], atol=1e-6, rtol=0)
     # A sequence with no keys (and, causal, a query before its sequence's first key) sees nothing.
@@ -491,7 +491,7 @@ def test_reference_variants_are_naive_attention_of_each_sequence(variant, causal
         mine = dict(variant)
         if "alibi_slopes" in mine and mine["alibi_slopes"].dim() == 2:
             mine["alibi_slopes"] = mine["alibi_slopes"][b]
-        ref, ref_lse = naive_attention(*one, causal=causal, **mine)
+        ref, ref_lse = naive_attention(*one, causal=causal, **mine, return_lse=True)
         torch.testing.assert_close(out[rows], ref[0].transpose(0, 1), atol=1e-6, rtol=0)
         torch.testing.assert_close(lse[:, rows], ref_lse[0], atol=1e-6, rtol=0)
 
