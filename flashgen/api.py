@@ -12,28 +12,12 @@ import math
 
 import torch
 
-from . import modifiers, plans, variants
+from . import inputs, modifiers, plans, variants
 from .blockmask import BlockMasks
 from .compile import NoJitError  # noqa: F401  (re-exported: flashgen.NoJitError)
+from .inputs import aligned
 from .plans import DTYPES
-from .spec import HEAD_DIM_RULE, KernelSpec
-
-
-def is_aligned(t: torch.Tensor) -> bool:
-    """What the kernels read in place: cp.async and TMA move 16 bytes, so the base and every stride
-    that is stepped over are multiples of 8 elements, and nonzero (a TMA tensor map takes no stride
-    0: an expanded k, or a gradient that arrives expanded), the last dimension contiguous."""
-    if t.data_ptr() % 16:
-        return False
-    if t.is_contiguous():  # the common case, one cheap test (d % 8 == 0)
-        return True
-    *lead, last = t.stride()
-    return last == 1 and all(n == 1 or (s and not s % 8) for n, s in zip(t.shape, lead))  # a size-1 stride is never used
-
-
-def aligned(t: torch.Tensor) -> torch.Tensor:
-    """t, or a contiguous copy where the kernels cannot read it in place (is_aligned)."""
-    return t if is_aligned(t) else t.clone(memory_format=torch.contiguous_format)
+from .spec import KernelSpec
 
 
 # A call's variant travels as these arguments of the ops, after `deterministic`; PLAIN_ARGS are a
@@ -226,61 +210,23 @@ def check_inputs(q, k, v) -> None:
     """Raise a clear error for anything the kernels cannot take."""
     if _well_formed(q, k, v):
         return
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(
-                f"{name} must have 4 dimensions (batch, heads, seq, head_dim), like "
-                f"F.scaled_dot_product_attention; got shape {tuple(t.shape)}"
-            )
-        if t.dtype not in DTYPES:
-            raise TypeError(
-                f"{name} has dtype {t.dtype}; flashgen supports torch.float16 and torch.bfloat16 "
-                f"(cast with .to(torch.bfloat16))"
-            )
-    if not q.dtype == k.dtype == v.dtype:
-        raise TypeError(f"q, k, v must share one dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    batch, heads, _, head_dim = q.shape
-    if k.shape[0] != batch or v.shape[0] != batch:
-        raise ValueError(
-            f"q, k, v must have the same batch size; got q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}"
-        )
-    if k.shape[1] != v.shape[1]:
-        raise ValueError(f"k and v must have the same number of heads; got k {k.shape[1]}, v {v.shape[1]}")
-    if k.shape[1] == 0 or heads % k.shape[1]:
-        raise ValueError(
-            f"q has {heads} heads and k, v have {k.shape[1]}: the number of query heads must be a "
-            f"multiple of the number of key/value heads (GQA/MQA)"
-        )
-    if k.shape[2] != v.shape[2]:
-        raise ValueError(f"k and v must have the same sequence length; got k {k.shape[2]}, v {v.shape[2]}")
-    if k.shape[3] != head_dim or v.shape[3] != head_dim:
-        raise ValueError(
-            f"q, k, v must have the same head_dim; got q {head_dim}, k {k.shape[3]}, v {v.shape[3]}"
-        )
-    if head_dim % 8 or not 8 <= head_dim <= 256:
-        raise ValueError(f"head_dim={head_dim} is not supported: it must be {HEAD_DIM_RULE}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(-1) != 1:
-            raise ValueError(
-                f"{name}'s last dimension must be contiguous (stride 1), got stride {t.stride(-1)}; "
-                f"other strides may be anything (call .contiguous() on a transposed head_dim)"
-            )
-    if not q.device == k.device == v.device:
-        raise ValueError(f"q, k, v must be on one device; got q {q.device}, k {k.device}, v {v.device}")
-    if q.device.type != "cuda":
-        why = "" if torch.cuda.is_available() else " (and PyTorch sees no CUDA GPU on this machine)"
-        raise ValueError(f"flashgen.attention runs on NVIDIA GPUs: q, k, v are on {q.device}{why}")
+    named = {"q": q, "k": k, "v": v}
+    for name, t in named.items():
+        inputs.tensor(name, t, 4, "(batch, heads, seq, head_dim), like F.scaled_dot_product_attention")
+        inputs.half_precision(name, t)
+    inputs.one_dtype(named)
+    inputs.same("batch size", {name: t.shape[0] for name, t in named.items()})
+    inputs.same("number of heads", {"k": k.shape[1], "v": v.shape[1]})
+    inputs.query_groups(q.shape[1], k.shape[1])
+    inputs.same("sequence length", {"k": k.shape[2], "v": v.shape[2]})
+    inputs.same("head_dim", {name: t.shape[3] for name, t in named.items()})
+    inputs.head_dim(q.shape[3])
+    inputs.last_dim_contiguous(named)
+    inputs.on_one_cuda_device("attention", named)
 
 
 def softmax_scale(scale, head_dim: int) -> float:
-    if scale is None:
-        return head_dim**-0.5
-    scale = float(scale)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale={scale}: must be a positive finite number (default 1/sqrt(head_dim))")
-    return scale
+    return inputs.softmax_scale(scale, head_dim, "scale")
 
 
 def attention(

@@ -14,34 +14,22 @@ from __future__ import annotations
 
 import torch
 
-from . import plans, variants
-from .api import aligned, is_aligned
-from .api import softmax_scale as _scale
+from . import inputs, plans, variants
 from .families.decode import MAX_SPLITS, PAGE_SIZES, fast_divisor
+from .inputs import aligned, is_aligned
 from .plans import DTYPES, MAX_GRID_YZ
-from .spec import HEAD_DIM_RULE
 
 MAX_KEYS = 2**31 - 1  # positions are int32 in the kernels
 NO_STRIDES = (0, 0, 0, 0)  # of the new keys and values when there are none
-
-
-def _tensor(name: str, t, dims: int, layout: str) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != dims:
-        raise ValueError(f"{name} must have {dims} dimensions {layout}; got shape {tuple(t.shape)}")
 
 
 def _pair_like_q(q, first, second, dims: int, layout: str) -> None:
     """Two (name, tensor) arguments that come together (k and v, rotary_cos and rotary_sin): each a
     tensor of `dims` dimensions with q's dtype, and both of one shape."""
     for name, t in (first, second):
-        _tensor(name, t, dims, layout)
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype}; it must have q's dtype, {q.dtype}")
-    (a, x), (b, y) = first, second
-    if x.shape != y.shape:
-        raise ValueError(f"{a} and {b} must have one shape; got {tuple(x.shape)} and {tuple(y.shape)}")
+        inputs.tensor(name, t, dims, layout)
+    inputs.one_dtype({"q": q, first[0]: first[1], second[0]: second[1]})
+    inputs.same("shape", {first[0]: tuple(first[1].shape), second[0]: tuple(second[1].shape)})
 
 
 def _well_formed(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits):
@@ -110,12 +98,7 @@ def _check_cache_rows(batch: int, paged: bool, cache_batch_idx, cache_leftpad) -
     for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
         if t is None:
             continue
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype != torch.int32:
-            raise TypeError(f"{name} must have dtype torch.int32, got {t.dtype}")
-        if t.shape != (batch,):
-            raise ValueError(f"{name} must have shape (batch,) = ({batch},); got {tuple(t.shape)}")
+        inputs.int32(name, t, (batch,), f"(batch,) = ({batch},)")
         if paged:
             raise ValueError(f"{name} takes a contiguous cache: a paged sequence's rows are the ones its block_table names")
 
@@ -157,29 +140,19 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
     found = _well_formed(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits) if common else None
     if found is not None:
         return (*found, _variant(q, causal, window_size, softcap, alibi_slopes, found[1]), "")
-    _tensor("q", q, 4, "(batch, seqlen_q, heads, head_dim), like flash_attn_with_kvcache")
+    inputs.tensor("q", q, 4, "(batch, seqlen_q, heads, head_dim), like flash_attn_with_kvcache")
     paged = block_table is not None
     cache_layout = "(num_blocks, page_size, heads_kv, head_dim) with a block_table" if paged else "(batch, seqlen_cache, heads_kv, head_dim)"
-    _tensor("k_cache", k_cache, 4, cache_layout)
-    _tensor("v_cache", v_cache, 4, cache_layout)
-    if q.dtype not in DTYPES:
-        raise TypeError(f"q has dtype {q.dtype}; flashgen supports torch.float16 and torch.bfloat16")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype}; it must have q's dtype, {q.dtype}")
+    inputs.tensor("k_cache", k_cache, 4, cache_layout)
+    inputs.tensor("v_cache", v_cache, 4, cache_layout)
+    inputs.half_precision("q", q)
+    inputs.one_dtype({"q": q, "k_cache": k_cache, "v_cache": v_cache})
     batch, seqlen_q, heads, head_dim = q.shape
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must have one shape; got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    inputs.same(f"shape {cache_layout}", {"k_cache": tuple(k_cache.shape), "v_cache": tuple(v_cache.shape)})
     pages_or_batch, rows, kv_heads, cache_dim = k_cache.shape
-    if cache_dim != head_dim:
-        raise ValueError(f"q and the caches must have the same head_dim; got q {head_dim}, k_cache {cache_dim}")
-    if head_dim % 8 or not 8 <= head_dim <= 256:
-        raise ValueError(f"head_dim={head_dim} is not supported: it must be {HEAD_DIM_RULE}")
-    if kv_heads == 0 or heads % kv_heads:
-        raise ValueError(
-            f"q has {heads} heads and the caches {kv_heads}: the number of query heads must be a multiple of "
-            f"the number of key/value heads (GQA/MQA)"
-        )
+    inputs.same("head_dim", {"q": head_dim, "k_cache": cache_dim})
+    inputs.head_dim(head_dim)
+    inputs.query_groups(heads, kv_heads, "the caches")
     if (k is None) != (v is None):
         raise ValueError(f"k and v are appended together: got k {'None' if k is None else 'a tensor'} and v {'None' if v is None else 'a tensor'}")
     seqlen_new = 0
@@ -199,17 +172,10 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
                 f"appends them runs over the queries, so pass at least one query with them"
             )
     if paged:
-        if not isinstance(block_table, torch.Tensor):
-            raise TypeError(f"block_table must be a torch.Tensor, got {type(block_table).__name__}")
-        if block_table.dtype != torch.int32:
-            raise TypeError(f"block_table must have dtype torch.int32, got {block_table.dtype}")
+        inputs.int32("block_table", block_table)
         if block_table.dim() != 2 or block_table.shape[0] != batch:
             raise ValueError(f"block_table must be (batch, max_blocks_per_sequence) with batch {batch}; got shape {tuple(block_table.shape)}")
-        if rows not in PAGE_SIZES:
-            raise ValueError(
-                f"page_size={rows} (k_cache.shape[1]) is not supported: a paged cache's pages must hold a multiple of 16 "
-                f"tokens from 16 to 256"
-            )
+        inputs.page_size(rows, "k_cache.shape[1]")
         capacity = block_table.shape[1] * rows
     else:
         if pages_or_batch != batch and cache_batch_idx is None:
@@ -221,10 +187,7 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
     if capacity + seqlen_new > MAX_KEYS:
         raise ValueError(f"the cache holds {capacity} keys and {seqlen_new} are appended: at most {MAX_KEYS} keys in all")
     if isinstance(cache_seqlens, torch.Tensor):
-        if cache_seqlens.dtype != torch.int32:
-            raise TypeError(f"cache_seqlens must have dtype torch.int32, got {cache_seqlens.dtype}")
-        if cache_seqlens.shape != (batch,):
-            raise ValueError(f"cache_seqlens must have shape (batch,) = ({batch},); got {tuple(cache_seqlens.shape)}")
+        inputs.int32("cache_seqlens", cache_seqlens, (batch,), f"(batch,) = ({batch},)")
     elif cache_seqlens is not None:
         if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, int):
             raise TypeError(f"cache_seqlens must be None, an int or an int32 tensor, got {type(cache_seqlens).__name__}")
@@ -232,31 +195,16 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
             raise ValueError(f"cache_seqlens={cache_seqlens}: must be in [0, {capacity}] (the cache's capacity)")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits={num_splits!r}: must be an int in [0, {MAX_SPLITS}] (0: chosen from the shapes)")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
-        if t is not None and t.stride(-1) != 1:
-            raise ValueError(f"{name}'s last dimension must be contiguous (stride 1), got stride {t.stride(-1)}")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not is_aligned(t):
-            raise ValueError(
-                f"{name} must have 16-byte aligned rows (its address and strides multiples of 16 bytes): it is "
-                f"written in place, so flashgen cannot copy it; got strides {t.stride()}"
-            )
-    if batch > MAX_GRID_YZ or kv_heads > MAX_GRID_YZ:
-        raise ValueError(f"batch={batch}, heads_kv={kv_heads}: at most {MAX_GRID_YZ} of each (the grid's limits)")
+    inputs.last_dim_contiguous({"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v})
+    inputs.aligned_in_place({"k_cache": k_cache, "v_cache": v_cache}, "it is written in place, so flashgen cannot copy it")
+    inputs.grid("attention_with_kvcache", batch, kv_heads, "sequences", "key/value heads")
     _check_cache_rows(batch, paged, cache_batch_idx, cache_leftpad)
     rotary = _rotary_style(q, k, rotary_cos, rotary_sin, rotary_interleaved, capacity)
     variant = _variant(q, causal, window_size, softcap, alibi_slopes, capacity)
-    tensors = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("block_table", block_table),
-               ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad), ("rotary_cos", rotary_cos),
-               ("rotary_sin", rotary_sin)]
-    if isinstance(cache_seqlens, torch.Tensor):
-        tensors.append(("cache_seqlens", cache_seqlens))
-    devices = {name: t.device for name, t in tensors if t is not None}
-    if len(set(devices.values())) > 1:
-        raise ValueError("the tensors must be on one device; got " + ", ".join(f"{n} {d}" for n, d in devices.items()))
-    if q.device.type != "cuda":
-        why = "" if torch.cuda.is_available() else " (and PyTorch sees no CUDA GPU on this machine)"
-        raise ValueError(f"flashgen.attention_with_kvcache runs on NVIDIA GPUs: the tensors are on {q.device}{why}")
+    inputs.on_one_cuda_device("attention_with_kvcache", {
+        "q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "block_table": block_table,
+        "cache_batch_idx": cache_batch_idx, "cache_leftpad": cache_leftpad, "rotary_cos": rotary_cos, "rotary_sin": rotary_sin,
+        "cache_seqlens": cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None})
     return paged, capacity, seqlen_new, variant, rotary
 
 
@@ -328,7 +276,7 @@ def attention_with_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, causal, window_size, softcap, alibi_slopes,
         rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx, cache_leftpad)
     batch, seqlen_q, heads, head_dim = q.shape
-    scale = _scale(softmax_scale, head_dim)
+    scale = inputs.softmax_scale(softmax_scale, head_dim)
     o = torch.empty_like(q, memory_format=torch.contiguous_format)  # half of torch.empty's host cost
     lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device) if return_softmax_lse else None
     if o.numel() == 0:
@@ -419,12 +367,10 @@ def _states(o_a, lse_a, o_b, lse_b):
     """Check two attention states and bring them to one layout: o (..., d) of one float dtype with
     16-byte rows, lse (...) fp32 of o.shape[:-1] with any strides."""
     for name, t in (("o_a", o_a), ("lse_a", lse_a), ("o_b", o_b), ("lse_b", lse_b)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        inputs.tensor(name, t)
     if o_a.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"o_a has dtype {o_a.dtype}; merge_attention_states takes float16, bfloat16 or float32 outputs")
-    if o_b.dtype != o_a.dtype:
-        raise TypeError(f"o_a and o_b must share one dtype; got {o_a.dtype} and {o_b.dtype}")
+    inputs.one_dtype({"o_a": o_a, "o_b": o_b})
     for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
         if t.dtype != torch.float32:
             raise TypeError(f"{name} must have dtype torch.float32, got {t.dtype}")
@@ -437,14 +383,8 @@ def _states(o_a, lse_a, o_b, lse_b):
                 f"(batch, seqlen, heads, d) outputs is passed as lse.transpose(1, 2)); got {tuple(t.shape)}"
             )
     head_dim = o_a.shape[-1]
-    if head_dim % 8 or not 8 <= head_dim <= 256:
-        raise ValueError(f"head_dim={head_dim} (o's last dimension) is not supported: it must be {HEAD_DIM_RULE}")
-    devices = {t.device for t in (o_a, lse_a, o_b, lse_b)}
-    if len(devices) > 1:
-        raise ValueError(f"o_a, lse_a, o_b, lse_b must be on one device; got {', '.join(str(d) for d in devices)}")
-    if o_a.device.type != "cuda":
-        why = "" if torch.cuda.is_available() else " (and PyTorch sees no CUDA GPU on this machine)"
-        raise ValueError(f"flashgen.merge_attention_states runs on NVIDIA GPUs: the tensors are on {o_a.device}{why}")
+    inputs.head_dim(head_dim, "o's last dimension")
+    inputs.on_one_cuda_device("merge_attention_states", {"o_a": o_a, "lse_a": lse_a, "o_b": o_b, "lse_b": lse_b})
     # The kernel reads (x, y, z) rows: at most three leading dimensions, stepped by strides.
     lead = o_a.shape[:-1]
     if lead.numel() > MAX_KEYS:

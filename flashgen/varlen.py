@@ -18,11 +18,10 @@ import math
 
 import torch
 
-from . import plans, variants
-from .api import _variant_values, aligned, autocast_inputs, is_aligned, side_tensors
-from .families.decode import PAGE_SIZES
+from . import inputs, plans, variants
+from .api import _variant_values, autocast_inputs, side_tensors
+from .inputs import aligned
 from .plans import DTYPES, MAX_GRID_YZ
-from .spec import HEAD_DIM_RULE
 
 
 def forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, causal: bool, scale: float, kernel: str,
@@ -191,70 +190,41 @@ def _well_formed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     )
 
 
-def check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kernel: bool = True,
-                 block_table=None) -> None:
+def check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=None) -> None:
     """Every check that needs neither the GPU nor cu_seqlens' values: named errors for what the
-    kernels cannot take. The reference runs them with kernel=False: any floating dtype and head dim,
-    any strides. With a block_table, k and v are a paged cache (num_blocks, page_size, heads_kv,
-    head_dim)."""
+    kernels cannot take. With a block_table, k and v are a paged cache (num_blocks, page_size,
+    heads_kv, head_dim)."""
     paged = block_table is not None
-    named = [("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)]
-    for name, t in named + ([("block_table", block_table)] if paged else []):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     kv_rows = "num_blocks, page_size, heads_kv" if paged else "total_k, heads_kv"
-    for name, t, rows in (("q", q, "total_q, heads"), ("k", k, kv_rows), ("v", v, kv_rows)):
-        dims = 4 if paged and name != "q" else 3
-        if t.dim() != dims:
-            what = "a paged cache, with block_table" if dims == 4 else "packed sequences, like flash_attn_varlen_func"
-            raise ValueError(f"{name} must have {dims} dimensions ({rows}, head_dim): {what}; got shape {tuple(t.shape)}")
-        if t.dtype not in DTYPES and (kernel or not t.dtype.is_floating_point):
-            raise TypeError(
-                f"{name} has dtype {t.dtype}; flashgen supports torch.float16 and torch.bfloat16 "
-                f"(cast with .to(torch.bfloat16))"
-            )
-    if not q.dtype == k.dtype == v.dtype:
-        raise TypeError(f"q, k, v must share one dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape ({kv_rows}, head_dim); got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    kv_layout = f"({kv_rows}, head_dim): " + ("a paged cache, with block_table" if paged else
+                                              "packed sequences, like flash_attn_varlen_func")
+    inputs.tensor("q", q, 3, "(total_q, heads, head_dim): packed sequences, like flash_attn_varlen_func")
+    inputs.tensor("k", k, 4 if paged else 3, kv_layout)
+    inputs.tensor("v", v, 4 if paged else 3, kv_layout)
+    named = {"q": q, "k": k, "v": v}
+    for name, t in named.items():
+        inputs.half_precision(name, t)
+    inputs.one_dtype(named)
+    inputs.same(f"shape ({kv_rows}, head_dim)", {"k": tuple(k.shape), "v": tuple(v.shape)})
     total_q, heads, head_dim = q.shape
-    kv_heads = k.shape[-2]
-    if kv_heads == 0 or heads % kv_heads:
-        raise ValueError(
-            f"q has {heads} heads and k, v have {kv_heads}: the number of query heads must be a "
-            f"multiple of the number of key/value heads (GQA/MQA)"
-        )
-    if k.shape[-1] != head_dim:
-        raise ValueError(f"q, k, v must have the same head_dim; got q {head_dim}, k {k.shape[-1]}, v {v.shape[-1]}")
-    if kernel and (head_dim % 8 or not 8 <= head_dim <= 256):
-        raise ValueError(f"head_dim={head_dim} is not supported: it must be {HEAD_DIM_RULE}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if kernel and t.stride(-1) != 1:
-            raise ValueError(
-                f"{name}'s last dimension must be contiguous (stride 1), got stride {t.stride(-1)}; "
-                f"other strides may be anything (call .contiguous() on a transposed head_dim)"
-            )
+    inputs.query_groups(heads, k.shape[-2])
+    inputs.same("head_dim", {name: t.shape[-1] for name, t in named.items()})
+    inputs.head_dim(head_dim)
+    inputs.last_dim_contiguous(named)
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if cu.dtype != torch.int32:
-            raise TypeError(f"{name} must be int32 (FlashAttention's layout), got {cu.dtype}; cast with .to(torch.int32)")
+        inputs.int32(name, cu)
         if cu.dim() != 1 or cu.shape[0] < 1:
-            raise ValueError(
-                f"{name} must have shape (batch + 1,): each sequence's first row, then the total; "
-                f"got shape {tuple(cu.shape)}"
-            )
-    if cu_seqlens_q.shape != cu_seqlens_k.shape:
-        raise ValueError(
-            f"cu_seqlens_q and cu_seqlens_k must both have shape (batch + 1,); got {tuple(cu_seqlens_q.shape)} "
-            f"and {tuple(cu_seqlens_k.shape)}"
-        )
+            raise ValueError(f"{name} must have shape (batch + 1,): each sequence's first row, then the total; "
+                             f"got shape {tuple(cu.shape)}")
+    inputs.same("shape (batch + 1,)", {"cu_seqlens_q": tuple(cu_seqlens_q.shape), "cu_seqlens_k": tuple(cu_seqlens_k.shape)})
     batch = cu_seqlens_q.shape[0] - 1
     if paged:
-        _check_block_table(block_table, batch, k.shape[1], kernel)
-    if batch > MAX_GRID_YZ or heads > MAX_GRID_YZ:
-        raise ValueError(
-            f"attention_varlen takes at most {MAX_GRID_YZ:,} sequences and {MAX_GRID_YZ:,} query heads a call "
-            f"(a grid's z and y); got {batch:,} sequences of {heads:,} heads: split the call"
-        )
+        inputs.int32("block_table", block_table)
+        if block_table.dim() != 2 or block_table.shape[0] != batch:
+            raise ValueError(f"block_table must be (batch, max_blocks_per_sequence) with batch {batch}; got shape "
+                             f"{tuple(block_table.shape)}")
+        inputs.page_size(k.shape[1], "k.shape[1]")
+    inputs.grid("attention_varlen", batch, heads, "sequences", "query heads")
     total_k = 0 if paged else k.shape[0]  # a paged cache's rows are pages, not keys
     for name, value, total, t in (("max_seqlen_q", max_seqlen_q, total_q, "q"), ("max_seqlen_k", max_seqlen_k, total_k, "k")):
         if not _is_length(value) or value < 0:
@@ -265,23 +235,10 @@ def check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
             raise ValueError(f"cu_seqlens_{t[0]} holds no sequence (shape (1,)) but {t} has {total} rows")
 
 
-def _check_block_table(block_table, batch: int, page_size: int, kernel: bool) -> None:
-    if block_table.dtype != torch.int32:
-        raise TypeError(f"block_table must have dtype torch.int32, got {block_table.dtype}")
-    if block_table.dim() != 2 or block_table.shape[0] != batch:
-        raise ValueError(f"block_table must be (batch, max_blocks_per_sequence) with batch {batch}; got shape {tuple(block_table.shape)}")
-    if kernel and page_size not in PAGE_SIZES:
-        raise ValueError(f"page_size={page_size} (k.shape[1]) is not supported: a paged cache's pages must hold a multiple of 16 "
-                         f"tokens from 16 to 256")
-
-
 def _check_paged(q, k, v) -> None:
     """What the paged form adds: the caches are read in place (16-byte aligned rows), and there is
     no backward through them (FlashAttention has none either)."""
-    for name, t in (("k", k), ("v", v)):
-        if not is_aligned(t):
-            raise ValueError(f"{name} (a paged cache, read in place) must have 16-byte aligned rows: its address and strides "
-                             f"multiples of 16 bytes; got strides {t.stride()}")
+    inputs.aligned_in_place({"k": k, "v": v}, "a paged cache is read in place")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise ValueError("attention_varlen with a block_table computes no gradients (as in FlashAttention): call it under "
                          "torch.no_grad(), or with tensors that do not require grad")
@@ -305,27 +262,11 @@ def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         return check_variant(q, cu_seqlens_q, max_seqlen_k, causal, window_size, softcap, alibi_slopes)
     check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=block_table)
     variant = check_variant(q, cu_seqlens_q, max_seqlen_k, causal, window_size, softcap, alibi_slopes)
-    tensors = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
     if block_table is not None:
-        tensors["block_table"] = block_table
         _check_paged(q, k, v)
-    devices = {t.device for t in tensors.values()}
-    if len(devices) > 1:
-        where = ", ".join(f"{name} {t.device}" for name, t in tensors.items())
-        raise ValueError(f"{', '.join(tensors)} must be on one device; got {where}")
-    if q.device.type != "cuda":
-        why = "" if torch.cuda.is_available() else " (and PyTorch sees no CUDA GPU on this machine)"
-        raise ValueError(f"flashgen.attention_varlen runs on NVIDIA GPUs: its inputs are on {q.device}{why}")
+    inputs.on_one_cuda_device("attention_varlen", {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q,
+                                                   "cu_seqlens_k": cu_seqlens_k, "block_table": block_table})
     return variant
-
-
-def _scale(scale, head_dim: int) -> float:
-    if scale is None:
-        return head_dim**-0.5
-    scale = float(scale)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"softmax_scale={scale}: must be a positive finite number (default 1/sqrt(head_dim))")
-    return scale
 
 
 def paged_forward(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, causal,
@@ -422,12 +363,12 @@ def attention_varlen(
                           alibi_slopes, block_table)
     if block_table is not None:
         o, lse = paged_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, bool(causal),
-                               _scale(softmax_scale, q.shape[-1]), chosen, alibi_slopes, bool(return_lse))
+                               inputs.softmax_scale(softmax_scale, q.shape[-1]), chosen, alibi_slopes, bool(return_lse))
         return (o, lse) if return_lse else o
     variant = () if chosen == variants.PLAIN else (chosen.window_left, chosen.window_right, chosen.softcap, alibi_slopes)
     o, lse = run(
         q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k, bool(causal),
-        _scale(softmax_scale, q.shape[-1]), "", bool(deterministic), need_lse=bool(return_lse), variant=variant,
+        inputs.softmax_scale(softmax_scale, q.shape[-1]), "", bool(deterministic), need_lse=bool(return_lse), variant=variant,
     )
     return (o, lse) if return_lse else o
 

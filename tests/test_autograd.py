@@ -7,7 +7,7 @@ rule refuses the grid slices of more than 65,535 batches or heads."""
 import pytest
 import torch
 
-from flashgen import MaskMod, ScoreMod, api, plans, tuning, varlen
+from flashgen import MaskMod, ScoreMod, api, inputs, plans, tuning, varlen
 from flashgen.kernels import Kernel
 
 
@@ -85,10 +85,10 @@ def test_an_expanded_input_is_copied_for_the_kernels():
     """A stride of 0 (an expanded k for MQA, or a gradient that arrives expanded over heads) never
     reaches a TMA tensor map, which takes none: such a tensor is copied; others are read in place."""
     k = torch.zeros(2, 1, 64, 64).expand(2, 8, 64, 64)
-    assert api.aligned(k) is not k and api.aligned(k).stride() == (8 * 64 * 64, 64 * 64, 64, 1)
+    assert inputs.aligned(k) is not k and inputs.aligned(k).stride() == (8 * 64 * 64, 64 * 64, 64, 1)
     d_o = torch.zeros(2, 64, 64)[:, None].expand(2, 8, 64, 64)  # (B, H, T, d), stride 0 over heads
-    assert api.aligned(d_o).stride()[1] == 64 * 64
+    assert inputs.aligned(d_o).stride()[1] == 64 * 64
     packed = torch.zeros(100, 1, 64).expand(100, 4, 64)
     assert varlen.aligned(packed).stride() == (4 * 64, 64, 1)
     view = torch.zeros(2, 64, 8, 64).transpose(1, 2)  # (B, T, H, d) seen as (B, H, T, d): in place
-    assert api.aligned(view) is view
+    assert inputs.aligned(view) is view

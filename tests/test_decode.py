@@ -803,7 +803,7 @@ def kvcache_error(error, match, paged=False, **changes):
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_a_valid_call_reaches_the_device_check(paged):
-    kvcache_error(ValueError, "attention_with_kvcache runs on NVIDIA GPUs: the tensors are on cpu", paged)
+    kvcache_error(ValueError, "attention_with_kvcache runs on NVIDIA GPUs: q, k_cache, v_cache.* are on cpu", paged)
 
 
 ERRORS = [
@@ -811,16 +811,16 @@ ERRORS = [
     (ValueError, r"q must have 4 dimensions \(batch, seqlen_q, heads, head_dim\)", dict(q=t(2, 8, 64))),
     (ValueError, r"k_cache must have 4 dimensions \(batch, seqlen_cache, heads_kv, head_dim\)", dict(k_cache=t(2, 100, 128))),
     (TypeError, "q has dtype torch.float32", dict(q=t(2, 1, 8, 64, dtype=torch.float32))),
-    (TypeError, "v_cache has dtype torch.float16; it must have q's dtype", dict(v_cache=t(2, 100, 2, 64, dtype=FP16))),
-    (ValueError, "k_cache and v_cache must have one shape", dict(v_cache=t(2, 99, 2, 64))),
+    (TypeError, "q, k_cache, v_cache must share one dtype; got q torch.bfloat16, k_cache torch.bfloat16, v_cache torch.float16", dict(v_cache=t(2, 100, 2, 64, dtype=FP16))),
+    (ValueError, "k_cache and v_cache must have the same shape", dict(v_cache=t(2, 99, 2, 64))),
     (ValueError, "same head_dim; got q 64, k_cache 32", dict(k_cache=t(2, 100, 2, 32), v_cache=t(2, 100, 2, 32))),
     (ValueError, r"head_dim=100 is not supported", dict(q=t(2, 1, 8, 100), k_cache=t(2, 100, 2, 100), v_cache=t(2, 100, 2, 100),
                                                      k=t(2, 1, 2, 100), v=t(2, 1, 2, 100))),
-    (ValueError, "q has 8 heads and the caches 3: .* multiple", dict(k_cache=t(2, 100, 3, 64), v_cache=t(2, 100, 3, 64))),
+    (ValueError, "q has 8 heads and the caches have 3: .* multiple", dict(k_cache=t(2, 100, 3, 64), v_cache=t(2, 100, 3, 64))),
     (ValueError, "k and v are appended together: got k a tensor and v None", dict(v=None)),
     (ValueError, "k and v are appended together: got k None and v a tensor", dict(k=None)),
-    (TypeError, "k has dtype torch.float16", dict(k=t(2, 1, 2, 64, dtype=FP16))),
-    (ValueError, "k and v must have one shape", dict(v=t(2, 2, 2, 64))),
+    (TypeError, "q, k, v must share one dtype; got q torch.bfloat16, k torch.float16", dict(k=t(2, 1, 2, 64, dtype=FP16))),
+    (ValueError, "k and v must have the same shape", dict(v=t(2, 2, 2, 64))),
     (ValueError, r"k and v must be \(batch, seqlen_new, heads_kv, head_dim\) = \(2, seqlen_new, 2, 64\)", dict(k=t(2, 1, 8, 64), v=t(2, 1, 8, 64))),
     (ValueError, "k and v are appended at cache_seqlens: pass cache_seqlens", dict(cache_seqlens=None)),
     (TypeError, "cache_seqlens must have dtype torch.int32, got torch.int64", dict(cache_seqlens=torch.tensor([3, 5]))),
@@ -835,7 +835,7 @@ ERRORS = [
     (ValueError, "q's last dimension must be contiguous", dict(q=t(2, 1, 64, 8).transpose(-1, -2))),
     (ValueError, r"q has shape \(2, 0, 8, 64\), no query rows, and k, v hold 1 new tokens", dict(q=t(2, 0, 8, 64))),
     (ValueError, "k_cache must have 16-byte aligned rows .* written in place", dict(k_cache=t(2, 100, 2, 68)[..., :64])),
-    (ValueError, "the tensors must be on one device; got q cpu, k_cache meta", dict(k_cache=t(2, 100, 2, 64, device="meta"))),
+    (ValueError, "q, k_cache, v_cache.* must be on one device; got q cpu, k_cache meta", dict(k_cache=t(2, 100, 2, 64, device="meta"))),
 ]
 
 
@@ -900,17 +900,17 @@ ROW_ERRORS = [
     (ValueError, "rotary_cos and rotary_sin come together: pass both or neither", dict(rotary_cos=COS)),
     (ValueError, "rotary_cos and rotary_sin come together", dict(rotary_sin=COS)),
     (ValueError, r"rotary_sin must have 2 dimensions \(seqlen_ro, rotary_dim / 2\)", dict(rotary_cos=COS, rotary_sin=t(100))),
-    (TypeError, "rotary_cos has dtype torch.float32; it must have q's dtype, torch.bfloat16",
+    (TypeError, "q, rotary_cos, rotary_sin must share one dtype; got q torch.bfloat16, rotary_cos torch.float32",
      dict(rotary_cos=t(100, 16, dtype=torch.float32), rotary_sin=COS)),
-    (ValueError, "rotary_cos and rotary_sin must have one shape", dict(rotary_cos=COS, rotary_sin=t(100, 8))),
+    (ValueError, "rotary_cos and rotary_sin must have the same shape", dict(rotary_cos=COS, rotary_sin=t(100, 8))),
     (ValueError, "pass the new k and v as well", dict(rotary_cos=COS, rotary_sin=COS, k=None, v=None)),
     (ValueError, r"rotary_dim=24 \(2 \* rotary_cos.shape\[1\]\): must be a multiple of 16", dict(rotary_cos=t(100, 12), rotary_sin=t(100, 12))),
     (ValueError, "rotary_dim=80 .* at most head_dim=64", dict(rotary_cos=t(100, 40), rotary_sin=t(100, 40))),
     (ValueError, "rotary_dim=0", dict(rotary_cos=t(100, 0), rotary_sin=t(100, 0))),
     (ValueError, "rotary_cos has 99 positions: it needs at least the cache's capacity, 100", dict(rotary_cos=t(99, 16), rotary_sin=t(99, 16))),
     (TypeError, "rotary_interleaved must be True or False, got 'yes'", dict(rotary_cos=COS, rotary_sin=COS, rotary_interleaved="yes")),
-    (ValueError, "the tensors must be on one device; got .* rotary_sin meta", dict(rotary_cos=COS, rotary_sin=t(100, 16, device="meta"))),
-    (ValueError, "the tensors must be on one device; got .* cache_leftpad meta",
+    (ValueError, "must be on one device; got .* rotary_sin meta", dict(rotary_cos=COS, rotary_sin=t(100, 16, device="meta"))),
+    (ValueError, "must be on one device; got .* cache_leftpad meta",
      dict(cache_leftpad=torch.zeros(2, dtype=torch.int32, device="meta"))),
 ]
 

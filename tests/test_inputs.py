@@ -125,7 +125,7 @@ def test_default_and_explicit_scale():
 
 
 def test_alignment_keeps_usable_views_and_copies_the_rest():
-    from flashgen.api import aligned
+    from flashgen.inputs import aligned
 
     x = torch.randn(2, 3, 10, 64)
     assert aligned(x) is x and aligned(x.transpose(1, 2)).data_ptr() == x.data_ptr()

@@ -405,10 +405,10 @@ BAD = [
     (dict(q=torch.zeros(30, 4, 100, dtype=torch.bfloat16), k=torch.zeros(20, 2, 100, dtype=torch.bfloat16), v=torch.zeros(20, 2, 100, dtype=torch.bfloat16)),
      ValueError, r"head_dim=100 is not supported: it must be a multiple of 8 in \[8, 256\]"),
     (dict(q=torch.zeros(30, 64, 4, dtype=torch.bfloat16).transpose(1, 2)), ValueError, "q's last dimension must be contiguous"),
-    (dict(cu_seqlens_q=torch.tensor([0, 10, 30])), TypeError, r"cu_seqlens_q must be int32 .* got torch.int64; cast with .to\(torch.int32\)"),
+    (dict(cu_seqlens_q=torch.tensor([0, 10, 30])), TypeError, r"cu_seqlens_q must have dtype torch.int32, got torch.int64; cast with .to\(torch.int32\)"),
     (dict(cu_seqlens_k=torch.tensor([[0, 5, 20]], dtype=torch.int32)), ValueError, r"cu_seqlens_k must have shape \(batch \+ 1,\).* got shape \(1, 3\)"),
     (dict(cu_seqlens_q=torch.tensor([], dtype=torch.int32)), ValueError, r"cu_seqlens_q must have shape \(batch \+ 1,\)"),
-    (dict(cu_seqlens_k=torch.tensor([0, 20], dtype=torch.int32)), ValueError, r"cu_seqlens_q and cu_seqlens_k must both have shape \(batch \+ 1,\); got \(3,\) and \(2,\)"),
+    (dict(cu_seqlens_k=torch.tensor([0, 20], dtype=torch.int32)), ValueError, r"cu_seqlens_q and cu_seqlens_k must have the same shape \(batch \+ 1,\); got cu_seqlens_q \(3,\), cu_seqlens_k \(2,\)"),
     (dict(max_seqlen_q=-1), ValueError, "max_seqlen_q=-1: must be a non-negative int"),
     (dict(max_seqlen_k=15.0), ValueError, "max_seqlen_k=15.0: must be a non-negative int"),
     (dict(max_seqlen_k=True), ValueError, "max_seqlen_k=True: must be a non-negative int"),
@@ -419,7 +419,7 @@ BAD = [
      "at most 65,535 sequences and 65,535 query heads a call"),
     (dict(k=torch.zeros(20, 2, 64, dtype=torch.bfloat16, device="meta")), ValueError, "must be on one device; got q cpu, k meta"),
     (dict(cu_seqlens_q=torch.tensor([0, 10, 30], dtype=torch.int32, device="meta")), ValueError, "must be on one device; .* cu_seqlens_q meta"),
-    ({}, ValueError, "flashgen.attention_varlen runs on NVIDIA GPUs: its inputs are on cpu"),
+    ({}, ValueError, "flashgen.attention_varlen runs on NVIDIA GPUs: q, k, v, cu_seqlens_q, cu_seqlens_k.* are on cpu"),
 ]
 
 
@@ -452,15 +452,15 @@ def test_flash_attn_varlen_funcs_argument_order():
 
 
 def test_bad_softmax_scale_is_named():
-    from flashgen.varlen import _scale
+    from flashgen.inputs import softmax_scale
 
     with pytest.raises(ValueError, match="softmax_scale=-1.0: must be a positive finite number"):
-        _scale(-1, 64)
-    assert _scale(None, 64) == 0.125 and math.isclose(_scale(0.5, 64), 0.5)
+        softmax_scale(-1, 64)
+    assert softmax_scale(None, 64) == 0.125 and math.isclose(softmax_scale(0.5, 64), 0.5)
 
 
 def test_alignment_keeps_usable_packed_views_and_copies_the_rest():
-    from flashgen.varlen import aligned
+    from flashgen.inputs import aligned
 
     qkv = torch.zeros(10, 3, 4, 64)
     view = qkv[:, 1]  # row stride 3 * 4 * 64: usable as is
@@ -611,11 +611,11 @@ PAGED_BAD = [
     (dict(k=torch.zeros(14, 16, 3, 64, dtype=torch.bfloat16), v=torch.zeros(14, 16, 3, 64, dtype=torch.bfloat16)), ValueError,
      "q has 4 heads and k, v have 3"),
     (dict(k=torch.zeros(14, 16, 2, 68, dtype=torch.bfloat16)[..., :64], v=torch.zeros(14, 16, 2, 68, dtype=torch.bfloat16)[..., :64]),
-     ValueError, r"k \(a paged cache, read in place\) must have 16-byte aligned rows"),
+     ValueError, r"k must have 16-byte aligned rows .*: a paged cache is read in place"),
     (dict(q=torch.zeros(9, 4, 64, dtype=torch.bfloat16, requires_grad=True)), ValueError,
      "attention_varlen with a block_table computes no gradients"),
     (dict(block_table=torch.zeros(4, 3, dtype=torch.int32, device="meta")), ValueError, "must be on one device; .* block_table meta"),
-    ({}, ValueError, "flashgen.attention_varlen runs on NVIDIA GPUs: its inputs are on cpu"),
+    ({}, ValueError, "flashgen.attention_varlen runs on NVIDIA GPUs: q, k, v, cu_seqlens_q, cu_seqlens_k.* are on cpu"),
 ]
 
 
