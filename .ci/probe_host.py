@@ -23,7 +23,7 @@ import time  # noqa: E402
 import torch
 import torch.nn.functional as F
 
-from flashgen import api, bench, plans, runtime, serving, workspace
+from flashgen import api, bench, ops, plans, runtime, serving, workspace
 
 CALLS = int(sys.argv[1]) if len(sys.argv) > 1 else 5000
 
@@ -59,7 +59,7 @@ def main():
     plan, splits = plans.decode(0, 128, torch.bfloat16, paged, 4, 1, 8, capacity + seqlen_new, 0, variant.fields, "")
 
     def values():
-        return serving.launch_values(a["q"], a["k_cache"], a["v_cache"], a["k"], a["v"], a["cache_seqlens"],
+        return ops.decode_values(a["q"], a["k_cache"], a["v_cache"], a["k"], a["v"], a["cache_seqlens"],
                                      a["block_table"], capacity, seqlen_new, o, None, splits, True, 128 ** -0.5, variant)
 
     vals = values()

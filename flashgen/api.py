@@ -1,191 +1,16 @@
-"""flashgen.attention: input checks, the launch plans, and the torch.library custom ops.
-
-The forward op carries the kernel it runs as its spec's canonical text ("" = the tables' choice),
-so a graph traced by torch.compile holds no Python objects, and prebuilt (ahead-of-time) kernels
-run through the same ops. In eager mode the same implementations run without the op dispatcher,
-which costs more per call than everything else together (see run_attention).
+"""flashgen.attention: SDPA's layout and arguments, checked (flashgen.inputs), then the
+differentiable op pair of flashgen.ops with a fixed layout. Prebuilt (ahead-of-time) kernels enter
+through `call` with their spec.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from . import inputs, modifiers, plans, variants
-from .blockmask import BlockMasks
+from . import inputs, modifiers, ops, variants
 from .compile import NoJitError  # noqa: F401  (re-exported: flashgen.NoJitError)
-from .inputs import aligned
 from .plans import DTYPES
 from .spec import KernelSpec
-
-
-# A call's variant travels as these arguments of the ops, after `deterministic`; PLAIN_ARGS are a
-# plain call's (the eager path passes none at all).
-VARIANT_ARGS = ("window_left", "window_right", "softcap", "alibi_slopes", "score_mod", "score_mod_tensors", "mask_mod",
-                "mask_mod_tensors")
-PLAIN_ARGS = (-1, -1, 0.0, None, "", [], "", [])
-
-
-def _variant_values(q, k, causal, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, score_mod="",
-                    score_mod_tensors=None, mask_mod="", mask_mod_tensors=None) -> tuple[tuple, dict]:
-    """The variant of a call's kernels (tuning.variant_fields' form) and the values they take
-    (flashgen.variants, flashgen.modifiers; the arguments are already checked)."""
-    flags = variants.Variant(window_left, window_right, softcap, alibi_slopes is not None)
-    variant = (*flags.fields, *((("score_mod", score_mod),) if score_mod else ()), *((("mask_mod", mask_mod),) if mask_mod else ()))
-    values = {**flags.values(), "alibi_slopes": alibi_slopes, "score_mod_tensors": list(score_mod_tensors or ()),
-              "mask_mod_tensors": list(mask_mod_tensors or ())}
-    if mask_mod:
-        rule = modifiers.Rule(mask_mod, values["mask_mod_tensors"])
-        values["block_masks"] = BlockMasks(rule, causal, (window_left, window_right), q.shape[0], q.shape[1], q.shape[2],
-                                           k.shape[2], q.device, plans.device_arch(q.get_device()))
-    return variant, values
-
-
-def forward_impl(q, k, v, causal: bool, scale: float, kernel: str, need_lse: bool = True, *variant, backward=None):
-    """(o, lse) by the forward plan; lse is None when not needed (the kernel then skips it).
-    `kernel` is the canonical text of the spec to run, or "" for the tables' choice; `variant` the
-    VARIANT_ARGS, already checked (none: plain). `backward`: the deterministic flag of a backward
-    that will follow, whose kernels then start loading first (plans.warm_backward), or None."""
-    batch, heads, seqlen_q, head_dim = q.shape
-    o = torch.empty_like(q)
-    lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device) if need_lse else None
-    if o.numel() == 0:
-        return o, lse
-    if k.shape[2] == 0:  # no keys: every row sees nothing
-        return o.zero_(), None if lse is None else lse.fill_(-math.inf)
-    device = q.get_device()
-    values = {"q": aligned(q), "k": aligned(k), "v": aligned(v), "o": o, "lse": lse, "scale": scale}
-    fields = ()
-    if variant and variant != PLAIN_ARGS:
-        fields, more = _variant_values(q, k, causal, *variant)
-        values.update(more)
-    if backward is not None:
-        plans.warm_backward(device, head_dim, q.dtype, causal, backward, kernel, fields)
-    plans.forward(device, head_dim, q.dtype, causal, seqlen_q, kernel, fields).run(device, values)
-    return o, lse
-
-
-def backward_impl(d_o, q, k, v, o, lse, d_lse, causal: bool, scale: float, deterministic: bool, kernel: str = "",
-                  *variant):
-    """(dq, dk, dv) from the forward's inputs, output and log-sum-exp; P is recomputed. `kernel`
-    is the forward's spec (canonical text, or ""): the backward compiles for its target."""
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
-    if q.numel() == 0 or k.numel() == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
-    device = q.get_device()
-    values = {name: aligned(t) for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("d_o", d_o))}
-    values.update(lse=lse.contiguous(), d_lse=None if d_lse is None else d_lse.contiguous(), dq=dq, dk=dk, dv=dv, scale=scale,
-                  dq_accum=None)  # the plan's scratch replaces it where a kernel adds dQ into an fp32 sum
-    fields = ()
-    if variant and variant != PLAIN_ARGS:
-        fields, more = _variant_values(q, k, causal, *variant)
-        values.update(more)
-    plans.backward(device, q.shape[3], q.dtype, causal, deterministic, kernel, fields).run(device, values)
-    return dq, dk, dv
-
-
-@torch.library.custom_op("flashgen::attention_fwd", mutates_args=(), device_types="cuda")
-def attention_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, kernel: str,
-    deterministic: bool, window_left: int, window_right: int, softcap: float, alibi_slopes: torch.Tensor | None,
-    score_mod: str, score_mod_tensors: list[torch.Tensor], mask_mod: str, mask_mod_tensors: list[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, lse). `deterministic` only chooses the backward kernels (the forward always is)."""
-    return forward_impl(q, k, v, causal, scale, kernel, True, window_left, window_right, softcap, alibi_slopes,
-                        score_mod, score_mod_tensors, mask_mod, mask_mod_tensors)
-
-
-@attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, causal, scale, kernel, deterministic, *variant):
-    batch, heads, seqlen_q, _ = q.shape
-    return torch.empty_like(q), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
-
-
-@torch.library.custom_op("flashgen::attention_bwd", mutates_args=(), device_types="cuda")
-def attention_bwd(
-    d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-    lse: torch.Tensor, d_lse: torch.Tensor | None, causal: bool, scale: float, deterministic: bool,
-    kernel: str, window_left: int, window_right: int, softcap: float, alibi_slopes: torch.Tensor | None,
-    score_mod: str, score_mod_tensors: list[torch.Tensor], mask_mod: str, mask_mod_tensors: list[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) from the forward's inputs, output and log-sum-exp; P is recomputed."""
-    return backward_impl(d_o, q, k, v, o, lse, d_lse, causal, scale, deterministic, kernel, window_left, window_right,
-                         softcap, alibi_slopes, score_mod, score_mod_tensors, mask_mod, mask_mod_tensors)
-
-
-@attention_bwd.register_fake
-def _attention_bwd_fake(d_o, q, k, v, o, lse, d_lse, causal, scale, deterministic, kernel, *variant):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
-
-
-def side_tensors(variant) -> list[torch.Tensor]:
-    """The tensors a variant reads (ALiBi slopes, rule tensors): saved for the backward with the
-    inputs, so that one changed in place between forward and backward is an error, as q would be."""
-    found = []
-    for value in variant:
-        if isinstance(value, torch.Tensor):
-            found.append(value)
-        elif isinstance(value, list):  # a rule's tensors
-            found += value
-    return found
-
-
-def autocast_inputs(q, k, v):
-    """Under CUDA autocast, every floating input but fp64 in the autocast dtype (SDPA's policy)."""
-    if not torch.is_autocast_enabled("cuda"):
-        return q, k, v
-    dtype = torch.get_autocast_dtype("cuda")
-    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64 else t
-                 for t in (q, k, v))
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, kernel, deterministic, *variant = inputs
-    o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, *side_tensors(variant))
-    ctx.causal, ctx.scale, ctx.kernel, ctx.deterministic, ctx.variant = causal, scale, kernel, deterministic, variant
-    ctx.set_materialize_grads(False)  # an unused lse then costs nothing in the backward
-
-
-def _backward(ctx, d_o, d_lse, backward=attention_bwd, op=True):
-    q, k, v, o, lse, *_ = ctx.saved_tensors  # (the side tensors: unpacked to check their versions)
-    if d_o is None:
-        d_o = torch.zeros_like(o)
-    dq, dk, dv = backward(d_o, q, k, v, o, lse, d_lse, ctx.causal, ctx.scale, ctx.deterministic, ctx.kernel, *ctx.variant)
-    # no gradient for the variant's arguments (the op's autograd wants a list for each list of tensors)
-    return dq, dk, dv, None, None, None, None, *([None] * len(a) if op and isinstance(a, list) else None for a in ctx.variant)
-
-
-attention_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _EagerAttention(torch.autograd.Function):
-    """The custom op's autograd, minus the dispatcher: what eager training calls."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale, kernel, deterministic, *variant):
-        output = forward_impl(q, k, v, causal, scale, kernel, True, *variant, backward=deterministic)
-        _setup_context(ctx, (q, k, v, causal, scale, kernel, deterministic, *variant), output)
-        return output
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable  # the kernels' gradients have no graph: refused, not silently cut
-    def backward(ctx, d_o, d_lse):
-        return _backward(ctx, d_o, d_lse, backward=backward_impl, op=False)
-
-
-def run_attention(q, k, v, causal: bool, scale: float, kernel: str, deterministic: bool, need_lse: bool = True,
-                  variant: tuple = ()):
-    """(o, lse): through the custom op when torch.compile traces the call; in eager mode through
-    the same implementation directly (with autograd only when a gradient is needed). Without a
-    gradient and with need_lse=False, lse is None and never computed. `variant` is () or
-    (window_left, window_right, softcap, alibi_slopes), checked."""
-    if torch.compiler.is_compiling():
-        return attention_fwd(q, k, v, causal, scale, kernel, deterministic, *(variant or PLAIN_ARGS))
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _EagerAttention.apply(q, k, v, causal, scale, kernel, deterministic, *variant)
-    return forward_impl(q, k, v, causal, scale, kernel, need_lse, *variant)
 
 
 def _well_formed(q, k, v) -> bool:
@@ -289,7 +114,7 @@ def call(q, k, v, causal, scale, return_lse, deterministic, spec: KernelSpec | N
          window_size=(-1, -1), softcap=0.0, alibi_slopes=None, score_mod=None, mask_mod=None):
     """attention() with, optionally, the forward kernel fixed to `spec` (a prebuilt kernel's):
     the one path every public entry point takes."""
-    q, k, v = autocast_inputs(q, k, v)
+    q, k, v = ops.autocast_inputs(q, k, v)
     check_inputs(q, k, v)
     variant = ()
     if alibi_slopes is not None or softcap or window_size != (-1, -1) or score_mod is not None or mask_mod is not None:
@@ -314,8 +139,6 @@ def call(q, k, v, causal, scale, return_lse, deterministic, spec: KernelSpec | N
                 f"{spec.name} is built for variants {sorted(have) or 'none'}; this call asks for {sorted(wanted) or 'none'}"
             )
         kernel = spec.canonical()
-    o, lse = run_attention(
-        q, k, v, bool(causal), softmax_scale(scale, q.shape[-1]), kernel, bool(deterministic), need_lse=bool(return_lse),
-        variant=variant,
-    )
+    o, lse = ops.attention(q, k, v, None, None, 0, 0, bool(causal), softmax_scale(scale, q.shape[-1]), kernel,
+                           bool(deterministic), need_lse=bool(return_lse), variant=variant)
     return (o, lse) if return_lse else o

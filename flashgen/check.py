@@ -38,7 +38,6 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.is_available()
     ok = True
     for name, kernel in kernels.items():
-        spec = kernel.spec
         companions = ", ".join(kernel.meta.get("backward", [])) or "none"
         print(f"{name}: loaded from {kernel.path} ({kernel.resources.registers} registers; backward: {companions})")
         if not gpu:

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from . import inputs, plans, variants
-from .families.decode import MAX_SPLITS, PAGE_SIZES, fast_divisor
-from .inputs import aligned, is_aligned
+from . import inputs, ops, variants
+from .families.decode import MAX_SPLITS
+from .inputs import is_aligned
 from .plans import DTYPES, MAX_GRID_YZ
 
 MAX_KEYS = 2**31 - 1  # positions are int32 in the kernels
-NO_STRIDES = (0, 0, 0, 0)  # of the new keys and values when there are none
 
 
 def _pair_like_q(q, first, second, dims: int, layout: str) -> None:
@@ -267,7 +266,7 @@ def attention_with_kvcache(
     if torch.compiler.is_compiling():
         lengths = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
         length = -1 if cache_seqlens is None or lengths is not None else int(cache_seqlens)
-        out, lse = attention_with_kvcache_op(
+        out, lse = ops.attention_with_kvcache_op(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, lengths, length, cache_batch_idx, cache_leftpad, block_table,
             softmax_scale, causal, int(window_size[0]), int(window_size[1]), float(softcap), rotary_interleaved, alibi_slopes,
             num_splits, return_softmax_lse)
@@ -275,92 +274,10 @@ def attention_with_kvcache(
     paged, capacity, seqlen_new, variant, rotary = check_kvcache_inputs(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, causal, window_size, softcap, alibi_slopes,
         rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx, cache_leftpad)
-    batch, seqlen_q, heads, head_dim = q.shape
-    scale = inputs.softmax_scale(softmax_scale, head_dim)
-    o = torch.empty_like(q, memory_format=torch.contiguous_format)  # half of torch.empty's host cost
-    lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device) if return_softmax_lse else None
-    if o.numel() == 0:
-        return (o, lse) if return_softmax_lse else o
-    device = q.get_device()
-    common = not rotary and cache_batch_idx is None and cache_leftpad is None  # the usual decode step
-    keys = capacity + seqlen_new
-    if variant.window and min(variant.window_left, variant.window_right) >= 0:
-        keys = min(keys, seqlen_q + variant.window_left + variant.window_right)  # the most one block's windows see
-    plan, splits = plans.decode(device, head_dim, q.dtype, paged, seqlen_q * (heads // k_cache.shape[2]), batch,
-                                k_cache.shape[2], keys, num_splits, variant.fields, rotary)
-    values = launch_values(q, k_cache, v_cache, k, v, cache_seqlens, block_table, capacity, seqlen_new, o, lse, splits,
-                           causal, scale, variant, alibi_slopes)
-    if not common:
-        values.update(launch_extras(cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin))
-    plan.run(device, values)
-    return (o, lse) if return_softmax_lse else o
-
-
-@torch.library.custom_op("flashgen::attention_with_kvcache", mutates_args=("k_cache", "v_cache"), device_types="cuda")
-def attention_with_kvcache_op(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-    rotary_cos: torch.Tensor | None, rotary_sin: torch.Tensor | None, cache_seqlens: torch.Tensor | None, cache_len: int,
-    cache_batch_idx: torch.Tensor | None, cache_leftpad: torch.Tensor | None, block_table: torch.Tensor | None,
-    softmax_scale: float | None, causal: bool, window_left: int, window_right: int, softcap: float, rotary_interleaved: bool,
-    alibi_slopes: torch.Tensor | None, num_splits: int, return_softmax_lse: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """attention_with_kvcache as one op: cache_seqlens is the tensor, or else cache_len (-1: None);
-    lse is (0,) when not asked for (an op returns tensors)."""
-    lengths = cache_seqlens if cache_seqlens is not None else (None if cache_len < 0 else cache_len)
-    out = attention_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, lengths, cache_batch_idx, cache_leftpad,
-                                 block_table, softmax_scale, causal, (window_left, window_right), softcap, rotary_interleaved,
-                                 alibi_slopes, num_splits, return_softmax_lse)
-    out, lse = out if return_softmax_lse else (out, q.new_empty(0, dtype=torch.float32))
-    return out, lse
-
-
-@attention_with_kvcache_op.register_fake
-def _attention_with_kvcache_fake(q, k_cache, v_cache, *args):
-    batch, seqlen_q, heads, _ = q.shape
-    lse_shape = (batch, heads, seqlen_q) if args[-1] else (0,)
-    return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
-
-
-def launch_values(q, k_cache, v_cache, k, v, cache_seqlens, block_table, capacity, seqlen_new, o, lse, splits, causal,
-                  scale, variant: variants.Variant = variants.PLAIN, alibi_slopes=None) -> dict:
-    """What the decode plan's kernels take (families.decode.DecodeAttention.arguments): the
-    tensors (copied where their rows are not 16-byte aligned; never the caches), the sizes read
-    once here, and the variants' values."""
-    batch, seqlen_q, heads, _ = q.shape
-    if k is not None:
-        k, v = aligned(k), aligned(v)
-    lengths = isinstance(cache_seqlens, torch.Tensor)
-    values = {
-        "q": aligned(q), "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v,
-        "k_strides": NO_STRIDES if k is None else k.stride(), "v_strides": NO_STRIDES if v is None else v.stride(),
-        "cache_seqlens": cache_seqlens if lengths else None, "cache_seqlens_stride": cache_seqlens.stride(0) if lengths else 0,
-        "cache_len": capacity if cache_seqlens is None or lengths else cache_seqlens, "capacity": capacity,
-        "block_table": block_table, "cache_batch_idx": None, "cache_leftpad": None, "rotary_cos": None, "rotary_sin": None,
-        "o": o, "lse": lse, "partials": None, "counters": None,  # a split plan's scratch replaces them
-        "batch": batch, "seqlen_q": seqlen_q, "heads": heads, "kv_heads": k_cache.shape[2], "seqlen_new": seqlen_new,
-        "splits": splits, "causal": bool(causal), "scale": scale,
-    }
-    if variant.fields:
-        values.update(variant.values(), alibi_slopes=alibi_slopes)
-    if block_table is not None:
-        page_size = k_cache.shape[1]
-        if block_table.stride(-1) != 1:
-            values["block_table"] = block_table.contiguous()
-        values.update(num_pages=k_cache.shape[0], page_size=page_size, page_divisor=fast_divisor(page_size))
-    return values
-
-
-def launch_extras(cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin) -> dict:
-    """The launch values of the less common arguments: the cache rows and left pads (1-D int32,
-    read with stride 1) and the rotary tables (contiguous rows from a 16-byte boundary)."""
-    def rows(t):
-        return t if t is None or t.stride(0) == 1 else t.contiguous()
-
-    def table(t):
-        return t if t is None or (t.is_contiguous() and not t.data_ptr() % 16) else t.clone(memory_format=torch.contiguous_format)
-
-    return {"cache_batch_idx": rows(cache_batch_idx), "cache_leftpad": rows(cache_leftpad), "rotary_cos": table(rotary_cos),
-            "rotary_sin": table(rotary_sin)}
+    out, lse = ops.kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, paged, capacity, seqlen_new,
+                           inputs.softmax_scale(softmax_scale, q.shape[3]), causal, variant, alibi_slopes, rotary,
+                           rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, num_splits, return_softmax_lse)
+    return (out, lse) if return_softmax_lse else out
 
 
 def _states(o_a, lse_a, o_b, lse_b):
@@ -416,24 +333,7 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b):
     Under torch.compile the call is the custom op flashgen::merge_attention_states.
     """
     if torch.compiler.is_compiling():
-        return merge_attention_states_op(o_a, lse_a, o_b, lse_b)
+        return ops.merge_attention_states_op(o_a, lse_a, o_b, lse_b)
     o_a, lse_a, o_b, lse_b, lead = _states(o_a, lse_a, o_b, lse_b)
-    o = torch.empty_like(o_a, memory_format=torch.contiguous_format)
-    lse = torch.empty(o_a.shape[:-1], dtype=torch.float32, device=o_a.device)
-    if o.numel():
-        device = o.get_device()
-        plans.merge(device, o.shape[-1], o.dtype).run(
-            device, {"o_a": o_a, "lse_a": lse_a, "o_b": o_b, "lse_b": lse_b, "o": o, "lse": lse}
-        )
+    o, lse = ops.merge(o_a, lse_a, o_b, lse_b)
     return o.view(*lead, o.shape[-1]), lse.view(lead)
-
-
-@torch.library.custom_op("flashgen::merge_attention_states", mutates_args=(), device_types="cuda")
-def merge_attention_states_op(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
-                              lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return merge_attention_states(o_a, lse_a, o_b, lse_b)
-
-
-@merge_attention_states_op.register_fake
-def _merge_attention_states_fake(o_a, lse_a, o_b, lse_b):
-    return o_a.new_empty(o_a.shape), o_a.new_empty(o_a.shape[:-1], dtype=torch.float32)

@@ -14,149 +14,10 @@ decode_paged), forward only, as in FlashAttention.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from . import inputs, plans, variants
-from .api import _variant_values, autocast_inputs, side_tensors
-from .inputs import aligned
+from . import inputs, ops, variants
 from .plans import DTYPES, MAX_GRID_YZ
-
-
-def forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, causal: bool, scale: float, kernel: str,
-                 need_lse: bool = True, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-                 alibi_slopes=None, backward=None):
-    """(o, lse) by the varlen forward plan: o like q, lse (heads, total_q) fp32 or None when not
-    needed. `kernel` is the canonical text of the spec to run, or "" for the tables' choice; the
-    variant arguments are flashgen.variants' (already checked). `backward`: the deterministic
-    flag of a backward that will follow, whose kernels then start loading first, or None."""
-    total_q, heads, head_dim = q.shape
-    o = torch.empty_like(q)
-    lse = torch.empty(heads, total_q, dtype=torch.float32, device=q.device) if need_lse else None
-    if o.numel() == 0:
-        return o, lse
-    if k.shape[0] == 0:  # no keys at all: every row sees nothing
-        return o.zero_(), None if lse is None else lse.fill_(-math.inf)
-    device = q.get_device()
-    max_seqlen_q = min(max_seqlen_q, total_q)  # no sequence is longer than the packed tensor
-    variant, values = _variant_values(q, k, causal, window_left, window_right, softcap, alibi_slopes)
-    if backward is not None:
-        plans.warm_backward(device, head_dim, q.dtype, causal, backward, kernel, variant, varlen=True)
-    plan = plans.forward_varlen(device, head_dim, q.dtype, causal, max_seqlen_q, kernel, variant)
-    plan.run(device, {
-        "q": aligned(q), "k": aligned(k), "v": aligned(v), "o": o, "lse": lse, "scale": scale,
-        "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q, **values,
-    })
-    return o, lse
-
-
-def backward_impl(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
-                  causal: bool, scale: float, deterministic: bool, kernel: str = "", window_left: int = -1,
-                  window_right: int = -1, softcap: float = 0.0, alibi_slopes=None):
-    """(dq, dk, dv) from the forward's inputs, output and lse; P is recomputed."""
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
-    if q.shape[0] == 0 or k.shape[0] == 0 or q.numel() == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
-    device = q.get_device()
-    variant, variant_values = _variant_values(q, k, causal, window_left, window_right, softcap, alibi_slopes)
-    plan = plans.backward_varlen(device, q.shape[2], q.dtype, causal, deterministic, kernel, variant)
-    values = {name: aligned(t) for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("d_o", d_o))}
-    values.update(
-        lse=lse.contiguous(), d_lse=None if d_lse is None else d_lse.contiguous(), dq=dq, dk=dk, dv=dv, scale=scale,
-        dq_accum=None,  # the plan's scratch replaces it where a kernel adds dQ into an fp32 sum
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=min(max_seqlen_q, q.shape[0]), max_seqlen_k=min(max_seqlen_k, k.shape[0]), **variant_values,
-    )
-    plan.run(device, values)
-    return dq, dk, dv
-
-
-@torch.library.custom_op("flashgen::attention_varlen_fwd", mutates_args=(), device_types="cuda")
-def attention_varlen_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float, kernel: str, deterministic: bool,
-    window_left: int = -1, window_right: int = -1, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, lse). max_seqlen_k and `deterministic` are for the backward."""
-    return forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale, kernel, True,
-                        window_left, window_right, softcap, alibi_slopes)
-
-
-@attention_varlen_fwd.register_fake
-def _attention_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, kernel,
-                               deterministic, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-
-
-@torch.library.custom_op("flashgen::attention_varlen_bwd", mutates_args=(), device_types="cuda")
-def attention_varlen_bwd(
-    d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-    d_lse: torch.Tensor | None, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
-    max_seqlen_k: int, causal: bool, scale: float, deterministic: bool, kernel: str, window_left: int = -1,
-    window_right: int = -1, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) from the forward's inputs, output and lse; P is recomputed."""
-    return backward_impl(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                         scale, deterministic, kernel, window_left, window_right, softcap, alibi_slopes)
-
-
-@attention_varlen_bwd.register_fake
-def _attention_varlen_bwd_fake(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               causal, scale, deterministic, kernel, window_left=-1, window_right=-1, softcap=0.0,
-                               alibi_slopes=None):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, kernel, deterministic, *variant = inputs
-    o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *side_tensors(variant))
-    ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
-    ctx.causal, ctx.scale, ctx.kernel, ctx.deterministic, ctx.variant = causal, scale, kernel, deterministic, variant
-    ctx.set_materialize_grads(False)  # an unused lse then costs nothing in the backward
-
-
-def _backward(ctx, d_o, d_lse, backward=attention_varlen_bwd):
-    q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *_ = ctx.saved_tensors  # (the side tensors: version-checked)
-    if d_o is None:
-        d_o = torch.zeros_like(o)
-    dq, dk, dv = backward(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k,
-                          ctx.causal, ctx.scale, ctx.deterministic, ctx.kernel, *ctx.variant)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, *(None for _ in ctx.variant)  # no gradient for the slopes
-
-
-attention_varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _EagerVarlen(torch.autograd.Function):
-    """The custom op's autograd, minus the dispatcher: what eager training calls."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, _, causal, scale, kernel, deterministic, *variant = inputs
-        output = forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale, kernel, True, *variant,
-                              backward=deterministic)
-        _setup_context(ctx, inputs, output)
-        return output
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable  # the kernels' gradients have no graph: refused, not silently cut
-    def backward(ctx, d_o, d_lse):
-        return _backward(ctx, d_o, d_lse, backward=backward_impl)
-
-
-def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal: bool, scale: float, kernel: str,
-        deterministic: bool, need_lse: bool = True, variant: tuple = ()):
-    """(o, lse): through the custom op when torch.compile traces the call; in eager mode through the
-    same implementation directly (with autograd only when a gradient is needed). `variant` is () or
-    (window_left, window_right, softcap, alibi_slopes), checked."""
-    inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, kernel, deterministic, *variant)
-    if torch.compiler.is_compiling():
-        return attention_varlen_fwd(*inputs)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _EagerVarlen.apply(*inputs)
-    return forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale, kernel, need_lse, *variant)
 
 
 # ---- input checks -------------------------------------------------------------------------------
@@ -269,34 +130,6 @@ def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     return variant
 
 
-def paged_forward(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, causal,
-                  scale, variant: variants.Variant, alibi_slopes, need_lse):
-    """(o, lse) of packed queries over their pages of a paged cache: the decode plan's varlen
-    kernel, sized by max_seqlen_q and max_seqlen_k (never by cu_seqlens' values, so a captured graph
-    replays with new ones); o like q, lse (heads, total_q) fp32 or None."""
-    from .serving import launch_values
-
-    total_q, heads, head_dim = q.shape
-    batch, page_size, kv_heads = cu_seqlens_q.shape[0] - 1, k_cache.shape[1], k_cache.shape[2]
-    o = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty(heads, total_q, dtype=torch.float32, device=q.device) if need_lse else None
-    if o.numel() == 0 or batch == 0:
-        return o, lse
-    device = q.get_device()
-    max_seqlen_q = min(max_seqlen_q, total_q)  # no sequence is longer than the packed tensor (sizes the grid)
-    capacity = block_table.shape[1] * page_size
-    plan, splits = plans.decode(device, head_dim, q.dtype, True, max_seqlen_q * (heads // kv_heads), batch, kv_heads,
-                                min(max_seqlen_k, capacity), 0, variant.fields, "", True)
-    values = launch_values(q[None], k_cache, v_cache, None, None, None, block_table, capacity, 0, o[None], lse, splits, causal,
-                           scale, variant, alibi_slopes)
-    # launch_values read batch and seqlen_q off the (1, total_q, heads, d) view: the grid's are the
-    # sequences and the longest one's queries.
-    values.update(batch=batch, seqlen_q=max_seqlen_q, cu_seqlens_q=cu_seqlens_q.contiguous(),
-                  cu_seqlens_k=cu_seqlens_k.contiguous(), total_q=total_q)
-    plan.run(device, values)
-    return o, lse
-
-
 def check_no_dropout(dropout_p) -> None:
     """flash_attn_varlen_func's dropout_p, accepted where callers pass 0.0 (inference, or training
     without attention dropout); any other value is refused, never ignored."""
@@ -352,40 +185,22 @@ def attention_varlen(
     are left uncomputed, as in FlashAttention (there its last ones; here, where the query tiles run
     longest first, its first ones).
     """
-    q, k, v = autocast_inputs(q, k, v)
+    q, k, v = ops.autocast_inputs(q, k, v)
     check_no_dropout(dropout_p)
     if block_table is not None and torch.compiler.is_compiling():  # one op; its checks run when it runs
-        o, lse = attention_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+        o, lse = ops.attention_varlen_paged_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
                                         softmax_scale, causal, int(window_size[0]), int(window_size[1]), float(softcap),
                                         alibi_slopes, return_lse)
         return (o, lse) if return_lse else o
     chosen = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_size, softcap,
                           alibi_slopes, block_table)
     if block_table is not None:
-        o, lse = paged_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, bool(causal),
+        o, lse = ops.paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, bool(causal),
                                inputs.softmax_scale(softmax_scale, q.shape[-1]), chosen, alibi_slopes, bool(return_lse))
         return (o, lse) if return_lse else o
-    variant = () if chosen == variants.PLAIN else (chosen.window_left, chosen.window_right, chosen.softcap, alibi_slopes)
-    o, lse = run(
-        q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k, bool(causal),
-        inputs.softmax_scale(softmax_scale, q.shape[-1]), "", bool(deterministic), need_lse=bool(return_lse), variant=variant,
-    )
+    variant = () if chosen == variants.PLAIN else (chosen.window_left, chosen.window_right, chosen.softcap, alibi_slopes, "", [],
+                                                   "", [])
+    o, lse = ops.attention(q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
+                           bool(causal), inputs.softmax_scale(softmax_scale, q.shape[-1]), "", bool(deterministic),
+                           need_lse=bool(return_lse), variant=variant)
     return (o, lse) if return_lse else o
-
-
-@torch.library.custom_op("flashgen::attention_varlen_paged", mutates_args=(), device_types="cuda")
-def attention_varlen_paged(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int, max_seqlen_k: int, block_table: torch.Tensor, softmax_scale: float | None, causal: bool,
-    window_left: int, window_right: int, softcap: float, alibi_slopes: torch.Tensor | None, return_lse: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """attention_varlen over a paged cache as one op (what torch.compile records); lse is (0,) when
-    not asked for."""
-    out = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, softmax_scale, causal,
-                           (window_left, window_right), softcap, alibi_slopes, False, return_lse, block_table)
-    return out if return_lse else (out, q.new_empty(0, dtype=torch.float32))
-
-
-@attention_varlen_paged.register_fake
-def _attention_varlen_paged_fake(q, *args):
-    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]) if args[-1] else (0,), dtype=torch.float32)

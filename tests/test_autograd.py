@@ -7,7 +7,7 @@ rule refuses the grid slices of more than 65,535 batches or heads."""
 import pytest
 import torch
 
-from flashgen import MaskMod, ScoreMod, api, inputs, plans, tuning, varlen
+from flashgen import MaskMod, ScoreMod, inputs, ops, plans, tuning
 from flashgen.kernels import Kernel
 
 
@@ -19,9 +19,8 @@ def stand_ins(monkeypatch):
     def backward(d_o, q, k, v, *args):
         return d_o.clone(), torch.zeros_like(k), torch.zeros_like(v)
 
-    for module in (api, varlen):
-        monkeypatch.setattr(module, "forward_impl", forward)
-        monkeypatch.setattr(module, "backward_impl", backward)
+    monkeypatch.setattr(ops, "forward_impl", forward)
+    monkeypatch.setattr(ops, "backward_impl", backward)
 
 
 def leaves(*shape):
@@ -29,12 +28,12 @@ def leaves(*shape):
 
 
 def attend(q, k, v, variant=()):
-    return api._EagerAttention.apply(q, k, v, False, 1.0, "", False, *variant)
+    return ops._EagerAttention.apply(q, k, v, None, None, 0, 0, False, 1.0, "", False, *variant)
 
 
 def attend_varlen(q, k, v, variant=()):
     cu = torch.tensor([0, q.shape[0]], dtype=torch.int32)
-    return varlen._EagerVarlen.apply(q, k, v, cu, cu, q.shape[0], q.shape[0], False, 1.0, "", False, *variant)
+    return ops._EagerAttention.apply(q, k, v, cu, cu, q.shape[0], q.shape[0], False, 1.0, "", False, *variant)
 
 
 @pytest.mark.parametrize("call, shape", [(attend, (1, 2, 5, 8)), (attend_varlen, (5, 2, 8))], ids=["attention", "varlen"])
@@ -51,7 +50,7 @@ def test_a_double_backward_is_refused_not_cut(stand_ins, call, shape):
 def test_a_variant_tensor_changed_in_place_before_the_backward_is_an_error(stand_ins, call, shape):
     q, k, v = leaves(*shape)
     slopes, table = torch.ones(1, 2), torch.zeros(4)
-    variant = (-1, -1, 0.0, slopes, "", [table], "", []) if call is attend else (-1, -1, 0.0, slopes)
+    variant = (-1, -1, 0.0, slopes, "", [table], "", []) if call is attend else (-1, -1, 0.0, slopes, "", [], "", [])
     o, _ = call(q, k, v, variant)
     o.sum().backward(retain_graph=True)  # untouched: fine
     (slopes if call is attend_varlen else table).mul_(2)
@@ -89,6 +88,6 @@ def test_an_expanded_input_is_copied_for_the_kernels():
     d_o = torch.zeros(2, 64, 64)[:, None].expand(2, 8, 64, 64)  # (B, H, T, d), stride 0 over heads
     assert inputs.aligned(d_o).stride()[1] == 64 * 64
     packed = torch.zeros(100, 1, 64).expand(100, 4, 64)
-    assert varlen.aligned(packed).stride() == (4 * 64, 64, 1)
+    assert inputs.aligned(packed).stride() == (4 * 64, 64, 1)
     view = torch.zeros(2, 64, 8, 64).transpose(1, 2)  # (B, T, H, d) seen as (B, H, T, d): in place
     assert inputs.aligned(view) is view

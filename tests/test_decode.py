@@ -12,7 +12,7 @@ import torch
 from test_launch import StubDriver, driver, stub_kernels, unpack  # noqa: F401  (fixtures)
 
 import flashgen
-from flashgen import plans, reference, serving, tuning, variants, workspace
+from flashgen import ops, plans, reference, serving, tuning, variants, workspace
 from flashgen.families.decode import MAX_SPLITS, PAGE_SIZES, fast_divisor
 from flashgen.render import render
 from flashgen.spec import KernelSpec, SpecError
@@ -470,7 +470,7 @@ def decode_values(batch=2, seqlen_q=1, heads=8, kv_heads=2, d=128, pages=100, pa
     k_cache = torch.zeros(pages, page_size, kv_heads, d, dtype=BF16)
     k = torch.zeros(batch, new, kv_heads, d, dtype=BF16)
     lse = torch.empty(batch, heads, seqlen_q) if lse else None
-    return serving.launch_values(q, k_cache, torch.zeros_like(k_cache), k, torch.zeros_like(k), torch.zeros(batch, dtype=torch.int32),
+    return ops.decode_values(q, k_cache, torch.zeros_like(k_cache), k, torch.zeros_like(k), torch.zeros(batch, dtype=torch.int32),
                                  torch.zeros(batch, 40, dtype=torch.int32), 40 * page_size, new, torch.empty_like(q), lse, splits,
                                  True, 0.125)
 
@@ -629,7 +629,7 @@ def test_forced_splits_and_contiguous_cache_without_append(driver, stub_kernels,
     cache = torch.zeros(3, 1000, 1, 64, dtype=FP16)
     plan, splits = plans.decode(-1, 64, FP16, False, 20, 3, 1, 1000, splits=7)
     assert splits == 7 and plan.kernels[0].spec.block_m == 64  # 20 packed rows: one 64-row block
-    values = serving.launch_values(q, cache, cache, None, None, 700, None, 1000, 0, torch.empty_like(q), None, 7, False, 1.0)
+    values = ops.decode_values(q, cache, cache, None, None, 700, None, 1000, 0, torch.empty_like(q), None, 7, False, 1.0)
     plan.run(-1, values)
     got = unpack(plan.kernels[0].spec, driver.launches[0]["params"])
     assert got["k_new"] == 0 and got["seqlen_new"] == 0 and got["cache_seqlens"] == 0 and got["cache_len"] == 700
@@ -663,19 +663,19 @@ def test_rotary_and_cache_rows_are_packed(driver, stub_kernels, cpu_device):
     assert plans.decode(-1, 64, BF16, False, 4, 2, 2, 101)[0].kernels[0].spec.rotary == ""  # the plain kernel apart
     q, k = torch.zeros(2, 1, 8, 64, dtype=BF16), torch.zeros(2, 1, 2, 64, dtype=BF16)
     k_cache = torch.zeros(5, 100, 2, 64, dtype=BF16)
-    values = serving.launch_values(q, k_cache, k_cache, k, k, torch.zeros(2, dtype=torch.int32), None, 100, 1, torch.empty_like(q),
+    values = ops.decode_values(q, k_cache, k_cache, k, k, torch.zeros(2, dtype=torch.int32), None, 100, 1, torch.empty_like(q),
                                    None, splits, True, 0.125)
     cos, sin = torch.zeros(101, 16, dtype=BF16), torch.zeros(102, 16, dtype=BF16)[1:]  # sin starts 32 bytes in: fine
     odd = torch.zeros(102 * 16 + 4, dtype=BF16)[4:].view(102, 16)[1:]  # 8 bytes off a 16-byte boundary: copied
     idx, pads = torch.tensor([4, 0], dtype=torch.int32), torch.zeros(2, 2, dtype=torch.int32)[:, 1]  # pads: stride 2, copied
-    values.update(serving.launch_extras(idx, pads, cos, odd))
+    values.update(ops.decode_extras(idx, pads, cos, odd))
     plan.run(-1, values)
     got = unpack(spec, driver.launches[0]["params"])
     assert got["rotary_cos"] == cos.data_ptr() and got["rotary_sin"] not in (0, odd.data_ptr()) and got["rotary_sin"] % 16 == 0
     assert (got["rotary_dim"], got["rotary_rows"]) == (32, 101)
     assert got["cache_batch_idx"] == idx.data_ptr() and got["cache_batches"] == 5
     assert got["cache_leftpad"] not in (0, pads.data_ptr())
-    assert serving.launch_extras(None, None, sin, sin)["rotary_sin"] is sin
+    assert ops.decode_extras(None, None, sin, sin)["rotary_sin"] is sin
     paged_spec = plans.decode(-1, 64, BF16, True, 4, 2, 2, 101, 0, (), "halves")[0].kernels[0].spec
     names = {p.name for p in paged_spec.family.params(paged_spec).params}
     assert {"rotary_cos", "rotary_dim"} <= names and not {"cache_batch_idx", "cache_leftpad"} & names
@@ -690,7 +690,7 @@ def test_paged_varlen_runs_the_decode_kernels_varlen_form(driver, stub_kernels, 
     k_cache = torch.zeros(40, 16, 8, 128, dtype=BF16)
     cu_q, cu_k = torch.tensor([0, 3, 3, 9], dtype=torch.int32), torch.tensor([0, 100, 140, 500], dtype=torch.int32)
     table = torch.zeros(3, 40, dtype=torch.int32)
-    o, lse = varlen.paged_forward(q, k_cache, k_cache, cu_q, cu_k, 6, 500, table, True, 0.125, variants.PLAIN, None, True)
+    o, lse = ops.paged_varlen(q, k_cache, k_cache, cu_q, cu_k, 6, 500, table, True, 0.125, variants.PLAIN, None, True)
     assert o.shape == q.shape and lse.shape == (32, 9)
     (launch,) = driver.launches
     plan, splits = plans.decode(-1, 128, BF16, True, 6 * 4, 3, 8, 500, 0, (), "", True)
@@ -702,7 +702,7 @@ def test_paged_varlen_runs_the_decode_kernels_varlen_form(driver, stub_kernels, 
     assert (got["q_row"], got["q_head"]) == (32 * 128, 128)
     assert launch["grid"] == (splits, 8, 3)  # one row tile (24 rows) x splits, KV heads, sequences
     driver.launches.clear()
-    varlen.paged_forward(q, k_cache, k_cache, cu_q, cu_k, 4000, 500, table, True, 0.125, variants.PLAIN, None, True)
+    ops.paged_varlen(q, k_cache, k_cache, cu_q, cu_k, 4000, 500, table, True, 0.125, variants.PLAIN, None, True)
     assert unpack(spec, driver.launches[0]["params"])["seqlen_q"] == 9  # an inflated max_seqlen_q: at most total_q
 
 
@@ -994,7 +994,7 @@ def test_a_serving_plan_is_never_sliced(driver, stub_kernels, cpu_device, monkey
     cache = torch.zeros(1, 16, 2, 64, dtype=BF16)
     plan, splits = plans.decode(-1, 64, BF16, False, 70_000 * 4, 1, 2, 16)
     assert plan.whole and splits == 1
-    plan.run(-1, serving.launch_values(q, cache, cache, None, None, None, None, 16, 0, torch.empty(1, 1, 8, 64, dtype=BF16), None, 1, True, 1.0))
+    plan.run(-1, ops.decode_values(q, cache, cache, None, None, None, None, 16, 0, torch.empty(1, 1, 8, 64, dtype=BF16), None, 1, True, 1.0))
     (launch,) = driver.launches
     assert launch["grid"] == (-(-70_000 * 4 // 64), 2, 1)
 

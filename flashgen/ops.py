@@ -1,0 +1,401 @@
+"""The torch side of every call: the torch.library custom ops (what torch.compile records), their
+fake implementations, autograd, and the eager path, for each layout the public functions take.
+
+- fixed (flashgen.attention: (batch, heads, seq, d)) and packed (attention_varlen: (total, heads,
+  d) with cu_seqlens) are one differentiable op pair, flashgen::attention_fwd / attention_bwd: a
+  packed call passes its cu_seqlens, a fixed one None. The forward op carries the kernel it runs
+  as its spec's canonical text ("" = the tables' choice), so a traced graph holds no Python
+  objects and prebuilt kernels run through the same ops. In eager mode the same implementations
+  run without the op dispatcher, which costs more per call than everything else together.
+- paged (the decode kernels: attention_with_kvcache, attention_varlen over a block table) and the
+  merge of two states are forward-only ops (decode_impl, merge_impl), recorded whole under
+  torch.compile; when such an op runs, its public function runs eagerly, checks included.
+
+A call's arguments are checked by its public function (flashgen.inputs) before they reach here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import modifiers, plans, variants
+from .blockmask import BlockMasks
+from .families.decode import fast_divisor
+from .inputs import aligned
+
+# A call's variant travels as these arguments of the ops, after `deterministic`; PLAIN_ARGS are a
+# plain call's (the eager path passes none at all).
+VARIANT_ARGS = ("window_left", "window_right", "softcap", "alibi_slopes", "score_mod", "score_mod_tensors", "mask_mod",
+                "mask_mod_tensors")
+PLAIN_ARGS = (-1, -1, 0.0, None, "", [], "", [])
+
+
+def autocast_inputs(q, k, v):
+    """Under CUDA autocast, every floating input but fp64 in the autocast dtype (SDPA's policy)."""
+    if not torch.is_autocast_enabled("cuda"):
+        return q, k, v
+    dtype = torch.get_autocast_dtype("cuda")
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64 else t
+                 for t in (q, k, v))
+
+
+def variant_values(q, k, causal, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, score_mod="",
+                   score_mod_tensors=None, mask_mod="", mask_mod_tensors=None) -> tuple[tuple, dict]:
+    """The variant of a call's kernels (tuning.variant_fields' form) and the values they take
+    (flashgen.variants, flashgen.modifiers; the arguments are already checked). Rules take fixed
+    layouts only: their block mask reads q and k as (batch, heads, seq, d)."""
+    flags = variants.Variant(window_left, window_right, softcap, alibi_slopes is not None)
+    variant = (*flags.fields, *((("score_mod", score_mod),) if score_mod else ()), *((("mask_mod", mask_mod),) if mask_mod else ()))
+    values = {**flags.values(), "alibi_slopes": alibi_slopes, "score_mod_tensors": list(score_mod_tensors or ()),
+              "mask_mod_tensors": list(mask_mod_tensors or ())}
+    if mask_mod:
+        rule = modifiers.Rule(mask_mod, values["mask_mod_tensors"])
+        values["block_masks"] = BlockMasks(rule, causal, (window_left, window_right), q.shape[0], q.shape[1], q.shape[2],
+                                           k.shape[2], q.device, plans.device_arch(q.get_device()))
+    return variant, values
+
+
+def side_tensors(variant) -> list[torch.Tensor]:
+    """The tensors a variant reads (ALiBi slopes, rule tensors): saved for the backward with the
+    inputs, so that one changed in place between forward and backward is an error, as q would be."""
+    found = []
+    for value in variant:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, list):  # a rule's tensors
+            found += value
+    return found
+
+
+# ---- fixed and packed: the differentiable op pair ----------------------------------------------------
+
+
+def forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, causal: bool, scale: float, kernel: str,
+                 need_lse: bool = True, *variant, backward=None):
+    """(o, lse) by the forward plan: o like q; lse (batch, heads, seq) fixed, (heads, total_q)
+    packed (cu_seqlens given), fp32, or None when not needed (the kernel then skips it). `kernel`
+    is the canonical text of the spec to run, or "" for the tables' choice; `variant` the
+    VARIANT_ARGS, already checked (none: plain). `backward`: the deterministic flag of a backward
+    that will follow, whose kernels then start loading first (plans.warm_backward), or None."""
+    packed = cu_seqlens_q is not None
+    if packed:
+        total_q, heads, head_dim = q.shape
+        lse_shape, keys, seqlen_q = (heads, total_q), k.shape[0], min(max_seqlen_q, total_q)  # (no sequence is longer)
+    else:
+        batch, heads, seqlen_q, head_dim = q.shape
+        lse_shape, keys = (batch, heads, seqlen_q), k.shape[2]
+    o = torch.empty_like(q)
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if need_lse else None
+    if o.numel() == 0:
+        return o, lse
+    if keys == 0:  # no keys: every row sees nothing
+        return o.zero_(), None if lse is None else lse.fill_(-math.inf)
+    device = q.get_device()
+    values = {"q": aligned(q), "k": aligned(k), "v": aligned(v), "o": o, "lse": lse, "scale": scale}
+    if packed:
+        values.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=seqlen_q)
+    fields = ()
+    if variant and variant != PLAIN_ARGS:
+        fields, more = variant_values(q, k, causal, *variant)
+        values.update(more)
+    if backward is not None:
+        plans.warm_backward(device, head_dim, q.dtype, causal, backward, kernel, fields, varlen=packed)
+    plan = (plans.forward_varlen if packed else plans.forward)(device, head_dim, q.dtype, causal, seqlen_q, kernel, fields)
+    plan.run(device, values)
+    return o, lse
+
+
+def backward_impl(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                  causal: bool, scale: float, deterministic: bool, kernel: str = "", *variant):
+    """(dq, dk, dv) from the forward's inputs, output and log-sum-exp; P is recomputed. `kernel`
+    is the forward's spec (canonical text, or ""): the backward compiles for its target."""
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
+    if q.numel() == 0 or k.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    device = q.get_device()
+    values = {name: aligned(t) for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("d_o", d_o))}
+    values.update(lse=lse.contiguous(), d_lse=None if d_lse is None else d_lse.contiguous(), dq=dq, dk=dk, dv=dv, scale=scale,
+                  dq_accum=None)  # the plan's scratch replaces it where a kernel adds dQ into an fp32 sum
+    packed = cu_seqlens_q is not None
+    if packed:
+        values.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=min(max_seqlen_q, q.shape[0]),
+                      max_seqlen_k=min(max_seqlen_k, k.shape[0]))
+    fields = ()
+    if variant and variant != PLAIN_ARGS:
+        fields, more = variant_values(q, k, causal, *variant)
+        values.update(more)
+    plan = (plans.backward_varlen if packed else plans.backward)(device, q.shape[-1], q.dtype, causal, deterministic, kernel,
+                                                                 fields)
+    plan.run(device, values)
+    return dq, dk, dv
+
+
+@torch.library.custom_op("flashgen::attention_fwd", mutates_args=(), device_types="cuda")
+def attention_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float, kernel: str, deterministic: bool,
+    window_left: int, window_right: int, softcap: float, alibi_slopes: torch.Tensor | None,
+    score_mod: str, score_mod_tensors: list[torch.Tensor], mask_mod: str, mask_mod_tensors: list[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse). max_seqlen_k and `deterministic` are for the backward (the forward always is)."""
+    return forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale, kernel, True, window_left,
+                        window_right, softcap, alibi_slopes, score_mod, score_mod_tensors, mask_mod, mask_mod_tensors)
+
+
+@attention_fwd.register_fake
+def _attention_fwd_fake(q, k, v, cu_seqlens_q, *args):
+    lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else q.shape[:3]
+    return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("flashgen::attention_bwd", mutates_args=(), device_types="cuda")
+def attention_bwd(
+    d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+    d_lse: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
+    max_seqlen_k: int, causal: bool, scale: float, deterministic: bool, kernel: str, window_left: int, window_right: int,
+    softcap: float, alibi_slopes: torch.Tensor | None, score_mod: str, score_mod_tensors: list[torch.Tensor], mask_mod: str,
+    mask_mod_tensors: list[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) from the forward's inputs, output and log-sum-exp; P is recomputed."""
+    return backward_impl(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                         deterministic, kernel, window_left, window_right, softcap, alibi_slopes, score_mod, score_mod_tensors,
+                         mask_mod, mask_mod_tensors)
+
+
+@attention_bwd.register_fake
+def _attention_bwd_fake(d_o, q, k, *args):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, kernel, deterministic, *variant = inputs
+    o, lse = output
+    ctx.packed = cu_seqlens_q is not None
+    ctx.save_for_backward(q, k, v, o, lse, *((cu_seqlens_q, cu_seqlens_k) if ctx.packed else ()), *side_tensors(variant))
+    ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
+    ctx.causal, ctx.scale, ctx.kernel, ctx.deterministic, ctx.variant = causal, scale, kernel, deterministic, variant
+    ctx.set_materialize_grads(False)  # an unused lse then costs nothing in the backward
+
+
+def _backward(ctx, d_o, d_lse, backward=attention_bwd, op=True):
+    q, k, v, o, lse, *rest = ctx.saved_tensors  # (the side tensors: unpacked to check their versions)
+    cu_seqlens_q, cu_seqlens_k = rest[:2] if ctx.packed else (None, None)
+    if d_o is None:
+        d_o = torch.zeros_like(o)
+    dq, dk, dv = backward(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k,
+                          ctx.causal, ctx.scale, ctx.deterministic, ctx.kernel, *ctx.variant)
+    # no gradient for the layout, the settings or the variant's arguments (the op's autograd wants a
+    # list for each list of tensors)
+    return dq, dk, dv, *[None] * 8, *([None] * len(a) if op and isinstance(a, list) else None for a in ctx.variant)
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The custom op's autograd, minus the dispatcher: what eager training calls."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, kernel, deterministic,
+                *variant):
+        output = forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale, kernel, True, *variant,
+                              backward=deterministic)
+        _setup_context(ctx, (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, kernel,
+                             deterministic, *variant), output)
+        return output
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # the kernels' gradients have no graph: refused, not silently cut
+    def backward(ctx, d_o, d_lse):
+        return _backward(ctx, d_o, d_lse, backward=backward_impl, op=False)
+
+
+def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float,
+              kernel: str, deterministic: bool, need_lse: bool = True, variant: tuple = ()):
+    """(o, lse) of checked inputs: through the custom op when torch.compile traces the call; in
+    eager mode through the same implementation directly (with autograd only when a gradient is
+    needed). Without a gradient and with need_lse=False, lse is None and never computed.
+    cu_seqlens_q / cu_seqlens_k: None for a fixed layout (max_seqlen_* unused); `variant` is () or
+    the VARIANT_ARGS, checked."""
+    if torch.compiler.is_compiling():
+        return attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, kernel,
+                             deterministic, *(variant or PLAIN_ARGS))
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _EagerAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, kernel,
+                                     deterministic, *variant)
+    return forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale, kernel, need_lse, *variant)
+
+
+# ---- paged: the decode kernels, forward only -------------------------------------------------------
+
+NO_STRIDES = (0, 0, 0, 0)  # of the new keys and values when there are none
+
+
+def kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, paged: bool, capacity: int, seqlen_new: int,
+            scale: float, causal: bool, variant: variants.Variant, alibi_slopes, rotary: str, rotary_cos, rotary_sin,
+            cache_batch_idx, cache_leftpad, num_splits: int, need_lse: bool):
+    """(o, lse) of attention_with_kvcache's checked inputs: the decode plan for the shape, one
+    launch (split-KV merged inside it); lse (batch, heads, seqlen_q) fp32, or None."""
+    batch, seqlen_q, heads, head_dim = q.shape
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)  # half of torch.empty's host cost
+    lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device) if need_lse else None
+    if o.numel() == 0:
+        return o, lse
+    device = q.get_device()
+    keys = capacity + seqlen_new
+    if variant.window and min(variant.window_left, variant.window_right) >= 0:
+        keys = min(keys, seqlen_q + variant.window_left + variant.window_right)  # the most one block's windows see
+    plan, splits = plans.decode(device, head_dim, q.dtype, paged, seqlen_q * (heads // k_cache.shape[2]), batch,
+                                k_cache.shape[2], keys, num_splits, variant.fields, rotary)
+    values = decode_values(q, k_cache, v_cache, k, v, cache_seqlens, block_table, capacity, seqlen_new, o, lse, splits,
+                           causal, scale, variant, alibi_slopes)
+    if rotary or cache_batch_idx is not None or cache_leftpad is not None:  # (not the usual decode step)
+        values.update(decode_extras(cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin))
+    plan.run(device, values)
+    return o, lse
+
+
+@torch.library.custom_op("flashgen::attention_with_kvcache", mutates_args=("k_cache", "v_cache"), device_types="cuda")
+def attention_with_kvcache_op(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+    rotary_cos: torch.Tensor | None, rotary_sin: torch.Tensor | None, cache_seqlens: torch.Tensor | None, cache_len: int,
+    cache_batch_idx: torch.Tensor | None, cache_leftpad: torch.Tensor | None, block_table: torch.Tensor | None,
+    softmax_scale: float | None, causal: bool, window_left: int, window_right: int, softcap: float, rotary_interleaved: bool,
+    alibi_slopes: torch.Tensor | None, num_splits: int, return_softmax_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention_with_kvcache as one op: cache_seqlens is the tensor, or else cache_len (-1: None);
+    lse is (0,) when not asked for (an op returns tensors)."""
+    from .serving import attention_with_kvcache  # (the public function: it checks, then runs kvcache above)
+
+    lengths = cache_seqlens if cache_seqlens is not None else (None if cache_len < 0 else cache_len)
+    out = attention_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, lengths, cache_batch_idx, cache_leftpad,
+                                 block_table, softmax_scale, causal, (window_left, window_right), softcap, rotary_interleaved,
+                                 alibi_slopes, num_splits, return_softmax_lse)
+    out, lse = out if return_softmax_lse else (out, q.new_empty(0, dtype=torch.float32))
+    return out, lse
+
+
+@attention_with_kvcache_op.register_fake
+def _attention_with_kvcache_fake(q, k_cache, v_cache, *args):
+    batch, seqlen_q, heads, _ = q.shape
+    lse_shape = (batch, heads, seqlen_q) if args[-1] else (0,)
+    return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+def decode_values(q, k_cache, v_cache, k, v, cache_seqlens, block_table, capacity, seqlen_new, o, lse, splits, causal,
+                  scale, variant: variants.Variant = variants.PLAIN, alibi_slopes=None) -> dict:
+    """What the decode plan's kernels take (families.decode.DecodeAttention.arguments): the
+    tensors (copied where their rows are not 16-byte aligned; never the caches), the sizes read
+    once here, and the variants' values."""
+    batch, seqlen_q, heads, _ = q.shape
+    if k is not None:
+        k, v = aligned(k), aligned(v)
+    lengths = isinstance(cache_seqlens, torch.Tensor)
+    values = {
+        "q": aligned(q), "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v,
+        "k_strides": NO_STRIDES if k is None else k.stride(), "v_strides": NO_STRIDES if v is None else v.stride(),
+        "cache_seqlens": cache_seqlens if lengths else None, "cache_seqlens_stride": cache_seqlens.stride(0) if lengths else 0,
+        "cache_len": capacity if cache_seqlens is None or lengths else cache_seqlens, "capacity": capacity,
+        "block_table": block_table, "cache_batch_idx": None, "cache_leftpad": None, "rotary_cos": None, "rotary_sin": None,
+        "o": o, "lse": lse, "partials": None, "counters": None,  # a split plan's scratch replaces them
+        "batch": batch, "seqlen_q": seqlen_q, "heads": heads, "kv_heads": k_cache.shape[2], "seqlen_new": seqlen_new,
+        "splits": splits, "causal": bool(causal), "scale": scale,
+    }
+    if variant.fields:
+        values.update(variant.values(), alibi_slopes=alibi_slopes)
+    if block_table is not None:
+        page_size = k_cache.shape[1]
+        if block_table.stride(-1) != 1:
+            values["block_table"] = block_table.contiguous()
+        values.update(num_pages=k_cache.shape[0], page_size=page_size, page_divisor=fast_divisor(page_size))
+    return values
+
+
+def decode_extras(cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin) -> dict:
+    """The launch values of the less common arguments: the cache rows and left pads (1-D int32,
+    read with stride 1) and the rotary tables (contiguous rows from a 16-byte boundary)."""
+    def rows(t):
+        return t if t is None or t.stride(0) == 1 else t.contiguous()
+
+    def table(t):
+        return t if t is None or (t.is_contiguous() and not t.data_ptr() % 16) else t.clone(memory_format=torch.contiguous_format)
+
+    return {"cache_batch_idx": rows(cache_batch_idx), "cache_leftpad": rows(cache_leftpad), "rotary_cos": table(rotary_cos),
+            "rotary_sin": table(rotary_sin)}
+
+
+def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, causal,
+                 scale, variant: variants.Variant, alibi_slopes, need_lse):
+    """(o, lse) of packed queries over their pages of a paged cache: the decode plan's varlen
+    kernel, sized by max_seqlen_q and max_seqlen_k (never by cu_seqlens' values, so a captured graph
+    replays with new ones); o like q, lse (heads, total_q) fp32 or None."""
+    total_q, heads, head_dim = q.shape
+    batch, page_size, kv_heads = cu_seqlens_q.shape[0] - 1, k_cache.shape[1], k_cache.shape[2]
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(heads, total_q, dtype=torch.float32, device=q.device) if need_lse else None
+    if o.numel() == 0 or batch == 0:
+        return o, lse
+    device = q.get_device()
+    max_seqlen_q = min(max_seqlen_q, total_q)  # no sequence is longer than the packed tensor (sizes the grid)
+    capacity = block_table.shape[1] * page_size
+    plan, splits = plans.decode(device, head_dim, q.dtype, True, max_seqlen_q * (heads // kv_heads), batch, kv_heads,
+                                min(max_seqlen_k, capacity), 0, variant.fields, "", True)
+    values = decode_values(q[None], k_cache, v_cache, None, None, None, block_table, capacity, 0, o[None], lse, splits, causal,
+                           scale, variant, alibi_slopes)
+    # launch_values read batch and seqlen_q off the (1, total_q, heads, d) view: the grid's are the
+    # sequences and the longest one's queries.
+    values.update(batch=batch, seqlen_q=max_seqlen_q, cu_seqlens_q=cu_seqlens_q.contiguous(),
+                  cu_seqlens_k=cu_seqlens_k.contiguous(), total_q=total_q)
+    plan.run(device, values)
+    return o, lse
+
+
+@torch.library.custom_op("flashgen::attention_varlen_paged", mutates_args=(), device_types="cuda")
+def attention_varlen_paged_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, block_table: torch.Tensor, softmax_scale: float | None, causal: bool,
+    window_left: int, window_right: int, softcap: float, alibi_slopes: torch.Tensor | None, return_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention_varlen over a paged cache as one op (what torch.compile records); lse is (0,) when
+    not asked for."""
+    from .varlen import attention_varlen  # (the public function: it checks, then runs paged_varlen)
+
+    out = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, softmax_scale, causal,
+                           (window_left, window_right), softcap, alibi_slopes, False, return_lse, block_table)
+    return out if return_lse else (out, q.new_empty(0, dtype=torch.float32))
+
+
+@attention_varlen_paged_op.register_fake
+def _attention_varlen_paged_fake(q, *args):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]) if args[-1] else (0,), dtype=torch.float32)
+
+
+# ---- the merge of two attention states -------------------------------------------------------------
+
+
+def merge(o_a, lse_a, o_b, lse_b):
+    """(o, lse) of merge_attention_states' checked states, (x, y, z, d) and (x, y, z): one launch of
+    the merge kernel."""
+    o = torch.empty_like(o_a, memory_format=torch.contiguous_format)
+    lse = torch.empty(o_a.shape[:-1], dtype=torch.float32, device=o_a.device)
+    if o.numel():
+        device = o.get_device()
+        plans.merge(device, o.shape[-1], o.dtype).run(
+            device, {"o_a": o_a, "lse_a": lse_a, "o_b": o_b, "lse_b": lse_b, "o": o, "lse": lse}
+        )
+    return o, lse
+
+
+@torch.library.custom_op("flashgen::merge_attention_states", mutates_args=(), device_types="cuda")
+def merge_attention_states_op(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
+                              lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from .serving import merge_attention_states  # (the public function: it checks, then runs merge below)
+
+    return merge_attention_states(o_a, lse_a, o_b, lse_b)
+
+
+@merge_attention_states_op.register_fake
+def _merge_attention_states_fake(o_a, lse_a, o_b, lse_b):
+    return o_a.new_empty(o_a.shape), o_a.new_empty(o_a.shape[:-1], dtype=torch.float32)
