@@ -127,13 +127,13 @@ def call(q, k, v, causal, scale, return_lse, deterministic, spec: KernelSpec | N
                 f"{q.shape[-1]} {DTYPES[q.dtype]}"
             )
         wanted = dict.fromkeys(variants.Variant(*variant[:3], variant[3] is not None).fields if variant else (), True)
-        if spec.window and tuple(window_size) != (-1, -1) and "window" not in wanted:
+        if variants.has(spec, "window") and tuple(window_size) != (-1, -1) and "window" not in wanted:
             # the call's window bounds nothing at this Tk (sides >= Tk are unbounded): the window kernel
             # runs it with unbounded sides (causal's right side stays 0: the kernel's window is its mask)
             variant = (-1, 0 if causal else -1, *(variant[2:] if variant else (0.0, None, "", [], "", [])))
             wanted["window"] = True
         wanted.update({field: source for field, source in zip(("score_mod", "mask_mod"), variant[4::2]) if source})
-        have = {field: getattr(spec, field) for field in (*variants.FIELDS, "score_mod", "mask_mod") if getattr(spec, field)}
+        have = {d.name: getattr(spec, d.name) if d.rule else True for d in variants.on(spec)}
         if have != wanted:
             raise ValueError(
                 f"{spec.name} is built for variants {sorted(have) or 'none'}; this call asks for {sorted(wanted) or 'none'}"

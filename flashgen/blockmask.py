@@ -61,12 +61,13 @@ class Lists:
 
 
 class BlockMasks:
-    """The block masks of one call: mask rule (a MaskMod), causal and window of the kernels, and the
-    shape (batch, heads, seqlen_q, seqlen_k)."""
+    """The block masks of one call: mask rule (a MaskMod), causal and the built-in mask variants of
+    the kernels (their names, and their values by argument name: a window's bounds), and the shape
+    (batch, heads, seqlen_q, seqlen_k)."""
 
-    def __init__(self, rule, causal: bool, window: tuple[int, int], batch: int, heads: int, seqlen_q: int,
-                 seqlen_k: int, device: torch.device, arch: str):
-        self.rule, self.causal, self.window, self.arch = rule, causal, window, arch
+    def __init__(self, rule, causal: bool, masks: tuple[str, ...], mask_values: dict, batch: int, heads: int,
+                 seqlen_q: int, seqlen_k: int, device: torch.device, arch: str):
+        self.rule, self.causal, self.masks, self.mask_values, self.arch = rule, causal, masks, mask_values, arch
         self.batches = batch if rule.per_batch else 1
         self.heads = heads if rule.per_head else 1
         if self.batches * self.heads > 65535:
@@ -93,7 +94,8 @@ class BlockMasks:
         # an inference tensor has no version counter to tell a write, so its lists are made each call
         if tensors and (capturing or any(t.is_inference() for t in tensors)):
             return self._make(*shape)
-        key = (self.rule.source, self.causal, self.window, self.batches, self.heads, self.seqlen_q, self.seqlen_k,
+        key = (self.rule.source, self.causal, self.masks, tuple(self.mask_values.items()), self.batches, self.heads,
+               self.seqlen_q, self.seqlen_k,
                self.device, shape, tuple((id(t), t.data_ptr(), t._version) for t in tensors))
         with _lock:
             kept = _kept.get(key)
@@ -127,12 +129,12 @@ class BlockMasks:
     def states(self, block_m: int, block_n: int) -> torch.Tensor:
         """[B', H', M, N] uint8: 0 no kept key, 1 some, 2 all (of the positions inside the sequences)."""
         spec = KernelSpec(head_dim=8, kind="block_mask", block_m=block_m, block_n=block_n, causal=self.causal,
-                          window=self.window != (-1, -1), mask_mod=self.rule.source, arch=self.arch)
+                          variants=self.masks, mask_mod=self.rule.source, arch=self.arch)
         rows, cols = -(-self.seqlen_q // block_m), -(-self.seqlen_k // block_n)
         states = torch.empty(self.batches, self.heads, rows, cols, dtype=torch.uint8, device=self.device)
         kernel = kernels.get(spec)
         values = dict(states=states, seqlen_q=self.seqlen_q, seqlen_k=self.seqlen_k, batches=self.batches, heads=self.heads,
-                      window_left=self.window[0], window_right=self.window[1], mask_mod_tensors=self.rule.arguments())
+                      mask_mod_tensors=self.rule.arguments(), **self.mask_values)
         kernel.launch(self.device.index, values)
         return states
 

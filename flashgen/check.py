@@ -12,6 +12,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from . import variants
+
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
@@ -96,11 +98,11 @@ def variant_arguments(spec, q) -> dict:
     """Arguments that exercise the variants a kernel was built for (a window of 256 keys, softcap 30,
     ALiBi's geometric slopes), passed alike to the kernel and to the reference."""
     arguments = {}
-    if spec.window:
+    if variants.has(spec, "window"):
         arguments["window_size"] = (256, 0 if spec.causal else 64)
-    if spec.softcap:
+    if variants.has(spec, "softcap"):
         arguments["softcap"] = 30.0
-    if spec.alibi:
+    if variants.has(spec, "alibi"):
         import torch
 
         heads = q.shape[1]

@@ -52,8 +52,10 @@ def variant_values(q, k, causal, window_left=-1, window_right=-1, softcap=0.0, a
               "mask_mod_tensors": list(mask_mod_tensors or ())}
     if mask_mod:
         rule = modifiers.Rule(mask_mod, values["mask_mod_tensors"])
-        values["block_masks"] = BlockMasks(rule, causal, (window_left, window_right), q.shape[0], q.shape[1], q.shape[2],
-                                           k.shape[2], q.device, plans.device_arch(q.get_device()))
+        masks = tuple(name for name in flags.fields if variants.BY_NAME[name].mask)  # the block mask honours them too
+        mask_values = {arg: values[arg] for name in masks for arg in variants.BY_NAME[name].arguments}
+        values["block_masks"] = BlockMasks(rule, causal, masks, mask_values, q.shape[0], q.shape[1], q.shape[2], k.shape[2],
+                                           q.device, plans.device_arch(q.get_device()))
     return variant, values
 
 

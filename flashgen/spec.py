@@ -93,12 +93,9 @@ class KernelSpec:
                 (total_tokens, heads, d) and each sequence's rows are found through cu_seqlens
                 (templates/block_info.cuh.j2); blocks past a sequence's end exit at once.
 
-    The attention variants (FlashAttention's semantics; their values are kernel arguments, so one
-    kernel serves every window, cap and slope; see flashgen.variants):
-    window:     local attention: query i sees keys [i + Tk - Tq - left, i + Tk - Tq + right]
-                (right = 0 when causal); key tiles outside the window are skipped at both ends.
-    softcap:    scores become softcap * tanh(scores / softcap) (Gemma 2).
-    alibi:      adds -slope * |i + Tk - Tq - j| to the scores, slopes per head (or batch and head).
+    variants:   the attention variants the kernel has, by name (flashgen.variants.FIELDS; the
+                registry there declares each); their values are kernel arguments, so one kernel
+                serves every window, cap and slope.
     score_mod:  a user score rule, its source (flashgen.modifiers.ScoreMod.source; "" = none).
     mask_mod:   a user mask rule, its source (MaskMod.source); the kernels then visit the key tiles a
                 block mask lists (flashgen.blockmask) and skip the empty ones.
@@ -119,14 +116,13 @@ class KernelSpec:
     persistent: bool = False
     exp2_fma: int = 0
     varlen: bool = False
-    window: bool = False
-    softcap: bool = False
-    alibi: bool = False
+    variants: tuple[str, ...] = ()
     score_mod: str = ""
     mask_mod: str = ""
     rotary: str = ""
 
     def __post_init__(self):
+        from . import variants
         from .families import KINDS
 
         check_head_dim(self.head_dim)
@@ -138,9 +134,13 @@ class KernelSpec:
             raise SpecError(f"exp2_fma={self.exp2_fma}: must be in [0, 8] (exponentials of every 8 on the FMA pipes)")
         if self.dtype not in DTYPES:
             raise SpecError(f"dtype={self.dtype!r}: must be one of {', '.join(DTYPES)}")
-        for field in ("causal", "persistent", "varlen", "window", "softcap", "alibi"):
+        for field in ("causal", "persistent", "varlen"):
             if not isinstance(getattr(self, field), bool):
                 raise SpecError(f"{field}={getattr(self, field)!r}: must be True or False")
+        try:  # (a list, as JSON gives it, or names in any order: the registry's order, each once)
+            object.__setattr__(self, "variants", variants.normalized(self.variants))
+        except (TypeError, ValueError) as error:
+            raise SpecError(str(error)) from None
         for field in ("score_mod", "mask_mod"):
             check_modifier(field, getattr(self, field))
         if self.rotary not in ("", *ROTARY_STYLES):

@@ -18,13 +18,15 @@ import json
 import os
 from pathlib import Path
 
+from . import variants
 from .settings import SettingError
 from .spec import KernelSpec, SpecError, check_head_dim
 
 TABLE_PATH = Path(__file__).with_name("tuning.json")
 TABLE_ENV = "FLASHGEN_TUNING_TABLE"
 KEY_FIELDS = ("kind", "arch", "head_dim", "dtype", "causal", "bucket")
-OPTIONAL_FIELDS = ("varlen", "variant", "mask_rule", "softcap")  # '*' where an entry leaves them out
+# '*' where an entry leaves them out; a variant's key (variants.TUNING_KEYS) for kernels tuned apart with it
+OPTIONAL_FIELDS = ("varlen", "variant", *variants.TUNING_KEYS)
 TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages", "persistent", "exp2_fma")  # what an entry's tiles may set
 SHORT_QUERY = 64  # at or below this many query rows, 64-row blocks waste less work
 
@@ -141,7 +143,7 @@ def format_table(doc: dict) -> str:
     return f'{{\n "about": {json.dumps(doc["about"])},\n "entries": [\n{entries}\n ]\n}}\n'
 
 
-MATCHED = ("dtype", "causal", "bucket", "varlen", "variant", "mask_rule", "softcap")
+MATCHED = ("dtype", "causal", "bucket", *OPTIONAL_FIELDS)
 
 
 def _matches(entry: dict, problem: dict) -> bool:
@@ -156,15 +158,18 @@ def _exactness(entry: dict) -> int:
 
 
 def candidates(kind: str, head_dim: int, dtype: str, causal: bool, arch: str, bucket: str, varlen: bool = False,
-               variant: bool = False, mask_rule: bool = False, softcap: bool = False) -> list[dict]:
+               variant: bool = False, **tuned_apart: bool) -> list[dict]:
     """Tile shapes for a problem, best first: the entries of the smallest bound, more exact first
     (overrides from `override` before all), then those of larger bounds as a fallback. `variant`:
     the kernel has an attention variant (entries with "variant": true are for those alone);
-    `mask_rule` / `softcap`: one of them is a user mask rule / softcap ("mask_rule": true /
-    "softcap": true: softcap's tanh shares the exponentials' unit, which moves the forward's
-    exp2_fma)."""
+    `tuned_apart`: by their tuning keys (variants.TUNING_KEYS), the variants on that the table
+    tunes apart (a user mask rule; softcap, whose tanh shares the exponentials' unit, which moves
+    the forward's exp2_fma)."""
+    unknown = set(tuned_apart) - set(variants.TUNING_KEYS)
+    if unknown:
+        raise TypeError(f"candidates: {', '.join(sorted(unknown))} is not a tuning key ({', '.join(variants.TUNING_KEYS)})")
     problem = {"kind": kind, "dtype": dtype, "causal": causal, "arch": arch, "bucket": bucket, "varlen": varlen,
-               "variant": variant, "mask_rule": mask_rule, "softcap": softcap}
+               "variant": variant, **dict.fromkeys(variants.TUNING_KEYS, False), **tuned_apart}
     entries = [e for e in _overrides + table()["entries"] if _matches(e, problem) and e["head_dim"] >= head_dim]
     entries.sort(key=lambda e: (e["head_dim"], e not in _overrides, -_exactness(e)))
     return [tiles for entry in entries for tiles in entry["tiles"]]
@@ -198,16 +203,21 @@ def reload() -> None:
 
 
 def variant_fields(variant: tuple) -> dict:
-    """A problem's variant as spec fields: `variant` holds the names of flags that are on ("window",
-    "softcap", "alibi") and (field, value) pairs (a user rule's source: ("mask_mod", source))."""
-    return dict(item if isinstance(item, tuple) else (item, True) for item in variant)
+    """A problem's variant as spec fields: `variant` holds the names of the variants that are on
+    (variants.FIELDS) and (field, value) pairs (a user rule's source: ("mask_mod", source))."""
+    names = tuple(item for item in variant if not isinstance(item, tuple))
+    return {**({"variants": names} if names else {}), **dict(item for item in variant if isinstance(item, tuple))}
+
+
+def _names(variant: tuple) -> list[str]:
+    return [item[0] if isinstance(item, tuple) else item for item in variant]
 
 
 def takes(kind: str, variant: tuple) -> bool:
     """Whether kernels of `kind` build the variant (flashgen.families: the fields they use)."""
     from .families import family
 
-    return set(variant_fields(variant)) <= set(family(kind).fields)
+    return set(_names(variant)) <= set(family(kind).fields)
 
 
 def _first_valid(kind, head_dim, dtype, causal, arch, bucket="long", varlen=False, variant=()) -> KernelSpec:
@@ -219,8 +229,8 @@ def _first_valid(kind, head_dim, dtype, causal, arch, bucket="long", varlen=Fals
     family(kind).check_arch(kind, arch)  # nor the tiles of a kind that never builds for the target
     error = None
     fields = variant_fields(variant)
-    for tiles in candidates(kind, head_dim, dtype, causal, arch, bucket, varlen, bool(variant), "mask_mod" in fields,
-                            "softcap" in fields):
+    apart = {key: name in _names(variant) for key, name in variants.TUNING_KEYS.items()}
+    for tiles in candidates(kind, head_dim, dtype, causal, arch, bucket, varlen, bool(variant), **apart):
         if varlen and tiles.get("persistent"):
             tiles = {**tiles, "persistent": False}  # the varlen Hopper forward runs one tile per CTA
         try:
@@ -346,7 +356,7 @@ def decode_spec(head_dim: int, dtype: str, arch: str, paged: bool, rows: int, va
     for tiles in candidates(kind, head_dim, dtype, False, arch, "*", variant=bool(variant)):
         try:
             return KernelSpec(head_dim=head_dim, dtype=dtype, arch=arch, kind=kind, **{**tiles, "block_m": decode_block_m(rows)},
-                              **dict.fromkeys(variant, True), rotary=rotary, varlen=varlen)
+                              **variant_fields(variant), rotary=rotary, varlen=varlen)
         except SpecError as rejected:
             error = rejected
     raise SpecError(f"no {kind} tile shape fits head_dim={head_dim} on {arch}: {error or 'the tuning table has no entry'}")

@@ -93,7 +93,7 @@ def _backward(head_dim, dtype, causal, arch, variant, varlen) -> list[KernelSpec
 
 def backward_of(forward: KernelSpec) -> list[KernelSpec]:
     """The backward kernels (both modes) that run after a forward kernel, for the same problem."""
-    variant = (*(field for field in VARIANT_FIELDS if getattr(forward, field)),
+    variant = (*forward.variants,
                *((rule, getattr(forward, rule)) for rule in ("score_mod", "mask_mod") if getattr(forward, rule)))
     return _backward(forward.head_dim, forward.dtype, forward.causal, forward.arch, variant, forward.varlen)
 
@@ -160,7 +160,7 @@ def describing(spec: KernelSpec) -> Workload | None:
              "merge": "merge", "merge_fp32": "merge"}.get(spec.kind, "attention")  # (the backward pieces: attention's)
     if spec.varlen:
         entry = "varlen"
-    variant = tuple(field for field in VARIANT_FIELDS if getattr(spec, field))
+    variant = spec.variants
     workload = Workload(
         head_dims=(spec.head_dim,), dtypes=(spec.dtype,), causal=(spec.causal,), archs=(spec.arch,), entries=(entry,),
         variants=(variant,), layouts=("paged",) if spec.kind == "decode_paged" else ("contiguous",),

@@ -471,10 +471,10 @@ def test_check_calls_a_variant_kernel_with_its_variants():
     q = torch.zeros(2, 8, 16, 64)
     base = KernelSpec(head_dim=64, block_m=64, block_n=64, causal=True)
     assert variant_arguments(base, q) == {}
-    got = variant_arguments(base.replace(window=True, softcap=True, alibi=True), q)
+    got = variant_arguments(base.replace(variants=("window", "softcap", "alibi")), q)
     assert got["window_size"] == (256, 0) and got["softcap"] == 30.0
     assert got["alibi_slopes"].shape == (8,) and got["alibi_slopes"].dtype == torch.float32
-    assert variant_arguments(base.replace(causal=False, window=True), q)["window_size"] == (256, 64)
+    assert variant_arguments(base.replace(causal=False, variants=("window",)), q)["window_size"] == (256, 64)
 
 
 def test_a_prebuilt_kernel_with_more_shared_memory_than_the_gpu_allows_is_refused_by_name(monkeypatch):

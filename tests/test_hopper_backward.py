@@ -37,7 +37,7 @@ def test_the_tables_run_the_split_layout_above_head_dim_128():
     assert all(s.block_n == 128 for d in (64, 128) for s in tuning.backward_specs(d, "bf16", True, "sm_90a", False))
 
 
-@pytest.mark.parametrize("spec", sweep(SPECS + SPLIT_SPECS, by=lambda spec: (*group(spec), spec.softcap)))
+@pytest.mark.parametrize("spec", sweep(SPECS + SPLIT_SPECS, by=lambda spec: (*group(spec), "softcap" in spec.variants)))
 def test_holds_the_hopper_instructions(spec):
     ptx = compile_ptx(spec, render(spec)).decode()
     for instruction in (
@@ -53,7 +53,7 @@ def test_holds_the_hopper_instructions(spec):
     assert not re.search(r"\s(atom|red)\.", ptx)  # no element-wise atomics
 
 
-@pytest.mark.parametrize("spec", sweep(SPECS + SPLIT_SPECS, by=lambda spec: (*group(spec), spec.softcap)))
+@pytest.mark.parametrize("spec", sweep(SPECS + SPLIT_SPECS, by=lambda spec: (*group(spec), "softcap" in spec.variants)))
 def test_compiles_without_spills_or_wgmma_serialization(spec):
     # The consumers' code runs under setmaxnreg.inc 240 (two of them and the producer's 24 fill the
     # register file): no spill means their accumulators fit that budget.
@@ -103,9 +103,9 @@ MASK_RULE = MaskMod("q_idx >= kv_idx", lambda b, h, q_idx, kv_idx: q_idx >= kv_i
     (dict(head_dim=192, block_n=64, block_m=128), "needs 281672 bytes of shared memory"),
     (dict(head_dim=64, arch="sm_80"), "needs sm_90a"),
     (dict(head_dim=64, block_m=96), "block_m=96"),
-    (dict(head_dim=64, block_m=128, softcap=True), "needs 16 registers more than its 192"),
+    (dict(head_dim=64, block_m=128, variants=("softcap",)), "needs 16 registers more than its 192"),
     (dict(head_dim=128, score_mod=SCORE_RULE.source), "needs 16 registers more than its 192"),
-    (dict(head_dim=128, softcap=True, alibi=True), "needs 16 registers more than its 192"),
+    (dict(head_dim=128, variants=("softcap", "alibi")), "needs 16 registers more than its 192"),
     (dict(head_dim=64, block_n=64, score_mod=ScoreMod("score", lambda score, b, h, q_idx, kv_idx: score).source),
      "needs the rule's gradient"),
 ])
@@ -189,7 +189,7 @@ def test_the_split_layout_hands_the_score_derivative_over():
     into dS^T in the pass that makes P^T, after both score products; with softcap alone, tanh, P^T
     and P^T (1 - u^2) are made between the two waits, P^T leaving as dV's operand there."""
     base = KernelSpec(kind="bwd_sm90_kvq", head_dim=128, block_m=64, block_n=64, causal=True)
-    capped, alibi = render(base.replace(softcap=True)), render(base.replace(alibi=True))
+    capped, alibi = render(base.replace(variants=("softcap",))), render(base.replace(variants=("alibi",)))
     assert "handed[e] = p * grad;" in capped and "struct Score" in capped
     assert capped.index("if (step > 0) mbar_wait(smem + BAR_P_EMPTY, (step - 1) & 1);") < capped.index("handed[e] = p * grad;")
     assert capped.index("mbar_arrive(smem + BAR_P_FULL);") > capped.index("handed[e] = p * grad;")
@@ -202,7 +202,7 @@ def test_the_split_layout_hands_the_score_derivative_over():
     ruled = render(base.replace(block_n=128, head_dim=64, score_mod=SCORE_RULE.source))
     assert "dp[nt][e] = p * grad * (dp[nt][e]" in ruled
     assert "wgmma_wait<0>" in before_scores(ruled) and "wgmma_wait<1>" not in before_scores(ruled)
-    whole = render(base.replace(block_n=128, softcap=True))
+    whole = render(base.replace(block_n=128, variants=("softcap",)))
     step = whole.split("for (int step = 0;")[2]
     assert "dp[nt][e] = p * grad * (dp[nt][e]" not in whole and "grad = 1.f - u * u;" in whole
     assert (step.index("wgmma_wait<1>") < step.index("s[nt][e] = p * grad;") < step.index("p_a[nt / 2][(nt % 2) * 2] = pack2(")

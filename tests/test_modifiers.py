@@ -113,7 +113,7 @@ def test_a_score_rule_without_gradient_has_no_backward():
 
 def test_the_block_mask_lists_listed_tiles_first_in_order(monkeypatch):
     states = torch.tensor([[[[0, 2, 1, 0], [1, 0, 0, 2]]]], dtype=torch.uint8)  # 1 x 1 x 2 query tiles x 4 key tiles
-    masks = BlockMasks(rules.prefix_lm(1), False, (-1, -1), 1, 1, 128, 256, torch.device("cpu"), "sm_90a")
+    masks = BlockMasks(rules.prefix_lm(1), False, (), {}, 1, 1, 128, 256, torch.device("cpu"), "sm_90a")
     monkeypatch.setattr(masks, "states", lambda block_m, block_n: states)
     rows = masks.get(64, 64, key_major=False)
     assert rows.count.tolist() == [[[2, 2]]]
@@ -159,7 +159,7 @@ def test_block_mask_lists_are_kept_by_tensor_identity_and_version(monkeypatch):
     source = rules.documents(doc).source
 
     def lists(tensor):
-        return BlockMasks(Rule(source, [tensor]), True, (-1, -1), 1, 1, 10, 10, torch.device("cpu"), "sm_90a").get(64, 64, False)
+        return BlockMasks(Rule(source, [tensor]), True, (), {}, 1, 1, 10, 10, torch.device("cpu"), "sm_90a").get(64, 64, False)
 
     first = lists(doc)
     assert lists(doc) is first and len(made) == 1
@@ -194,7 +194,7 @@ def test_kept_block_mask_lists_are_copies_of_their_own_and_a_capture_keeps_none(
     prefix = rules.prefix_lm(3).source  # a rule without tensors
 
     def lists(device="cpu"):
-        return BlockMasks(Rule(prefix, []), False, (-1, -1), 1, 1, 10, 10, torch.device(device), "sm_90a").get(64, 64, False)
+        return BlockMasks(Rule(prefix, []), False, (), {}, 1, 1, 10, 10, torch.device(device), "sm_90a").get(64, 64, False)
 
     kept = lists()
     assert len(copied_on) == 3 and kept is not made[0] and torch.equal(kept.count, made[0].count)
@@ -240,7 +240,7 @@ def test_kept_lists_a_capture_reads_are_never_dropped(stub_cuda_lists):
     prefix = Rule(rules.prefix_lm(3).source, [])
 
     def lists(seqlen=128):
-        return BlockMasks(prefix, False, (-1, -1), 1, 1, seqlen, seqlen, torch.device("cuda:0"), "sm_90a").get(64, 64, False)
+        return BlockMasks(prefix, False, (), {}, 1, 1, seqlen, seqlen, torch.device("cuda:0"), "sm_90a").get(64, 64, False)
 
     warm = lists()
     capture[0] = 7
@@ -269,7 +269,7 @@ def test_lists_of_inference_tensors_are_made_each_call(monkeypatch):
         doc = torch.zeros(1, 10, dtype=torch.int32)
     rule = Rule(rules.documents(doc).source, [doc])
     for _ in range(2):
-        BlockMasks(rule, True, (-1, -1), 1, 1, 10, 10, torch.device("cpu"), "sm_90a").get(64, 64, False)
+        BlockMasks(rule, True, (), {}, 1, 1, 10, 10, torch.device("cpu"), "sm_90a").get(64, 64, False)
     assert len(made) == 2 and not blockmask._kept
 
 
@@ -283,7 +283,7 @@ def test_a_dead_rule_tensor_drops_its_lists_and_a_rebound_one_makes_new(monkeypa
     source = rules.documents(torch.zeros(1, 10, dtype=torch.int32)).source
 
     def lists(tensor):
-        return BlockMasks(Rule(source, [tensor]), True, (-1, -1), 1, 1, 10, 10, torch.device("cpu"), "sm_90a").get(64, 64, False)
+        return BlockMasks(Rule(source, [tensor]), True, (), {}, 1, 1, 10, 10, torch.device("cpu"), "sm_90a").get(64, 64, False)
 
     doc = torch.zeros(1, 10, dtype=torch.int32)
     first = lists(doc)

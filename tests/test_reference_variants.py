@@ -150,7 +150,7 @@ def test_a_prebuilt_window_kernel_runs_a_window_clipped_away_at_tk(monkeypatch):
     ran = []
     monkeypatch.setattr(api, "check_inputs", lambda *args: None)
     monkeypatch.setattr(ops, "attention", lambda *args, variant, **kw: ran.append(variant) or (None, None))
-    spec = KernelSpec(head_dim=8, block_m=64, block_n=64, causal=True, window=True)
+    spec = KernelSpec(head_dim=8, block_m=64, block_n=64, causal=True, variants=("window",))
     q, k = torch.zeros(1, 2, 1000, 8, dtype=torch.bfloat16), torch.zeros(1, 2, 1000, 8, dtype=torch.bfloat16)
     api.call(q, k, k, True, None, False, False, spec, window_size=(4096, 0))
     api.call(q, k, k, True, None, False, False, spec, window_size=(999, 0))
@@ -161,4 +161,4 @@ def test_a_prebuilt_window_kernel_runs_a_window_clipped_away_at_tk(monkeypatch):
     with pytest.raises(ValueError, match="built for variants"):
         api.call(q, k, k, True, None, False, False, spec)  # no window asked for at all
     with pytest.raises(ValueError, match="built for variants"):
-        api.call(q, k, k, True, None, False, False, spec.replace(window=False), window_size=(999, 0))
+        api.call(q, k, k, True, None, False, False, spec.replace(variants=()), window_size=(999, 0))

@@ -118,9 +118,7 @@ ALTERNATIVE = {
     "persistent": True,
     "exp2_fma": 3,
     "varlen": True,
-    "window": True,
-    "softcap": True,
-    "alibi": True,
+    "variants": ("window",),
     "score_mod": '{"cuda":"score * 2.f","grad":"2.f","tensors":[]}',
     "mask_mod": '{"cuda":"q_idx >= kv_idx","per_batch":false,"per_head":false,"tensors":[]}',
     "rotary": "halves",
@@ -160,3 +158,15 @@ def test_a_key_major_backward_needs_a_thread_per_two_query_rows():
     with pytest.raises(SpecError, match="block_m=128 with num_warps=1: .* block_m must be at most 64"):
         KernelSpec(kind="bwd_kv", head_dim=16, block_m=128, block_n=16, num_warps=1, arch="sm_80")
     assert KernelSpec(kind="bwd_kv", head_dim=16, block_m=64, block_n=16, num_warps=1, arch="sm_80").block_m == 64
+
+
+def test_variants_are_named_each_once_in_the_registry_order():
+    spec = KernelSpec(head_dim=64, variants=["alibi", "window"])  # (a list, as JSON reads it)
+    assert spec.variants == ("window", "alibi") and spec == KernelSpec(head_dim=64, variants=("window", "alibi"))
+    assert KernelSpec.from_json(spec.canonical()) == spec and spec.name.endswith("_window_alibi")
+    with pytest.raises(SpecError, match="'sinkhole' is not one of window, softcap, alibi"):
+        KernelSpec(head_dim=64, variants=("sinkhole",))
+    with pytest.raises(SpecError, match="must be a tuple of variant names"):
+        KernelSpec(head_dim=64, variants="window")
+    with pytest.raises(SpecError, match="a bwd_prep kernel does not build window"):
+        KernelSpec(head_dim=64, kind="bwd_prep", variants=("window",))

@@ -73,14 +73,14 @@ MMA_KINDS = ("fwd", "bwd_kvq", "bwd_kv", "bwd_kq", "bwd_k", "bwd_v", "bwd_q")
 
 
 def test_the_name_says_which_variants_a_kernel_has():
-    spec = KernelSpec(head_dim=64, causal=True, window=True, softcap=True, alibi=True)
+    spec = KernelSpec(head_dim=64, causal=True, variants=("window", "softcap", "alibi"))
     assert spec.name.endswith("_causal_w4_s2_sm90a_window_softcap_alibi")
     assert KernelSpec(head_dim=64).name.endswith("_sm90a")
 
 
 def test_families_that_do_not_build_a_variant_refuse_it():
     with pytest.raises(SpecError, match="window"):
-        KernelSpec(head_dim=64, kind="bwd_prep", window=True)
+        KernelSpec(head_dim=64, kind="bwd_prep", variants=("window",))
 
 
 def picks(variant=()):
@@ -112,12 +112,12 @@ def test_each_variant_renders_only_its_own_code(which):
 
 
 def test_the_hopper_forward_scores_each_tile_and_masks_per_warpgroup():
-    source = render(HOPPER.replace(window=True, softcap=True, alibi=True))
+    source = render(HOPPER.replace(variants=("window", "softcap", "alibi")))
     assert "Score(softcap_scale, alibi_slopes[i64(tl.batch) * alibi_batch_stride + tl.head] * alibi_scale" in source
     for it in ("0", "it"):  # the scores, then the mask, at step 0 and in the loop
         assert f"score_tile({it});\n{' ' * 20}mask_tile({it});" in source
     assert "mask.partial(m0 + cw * 64, n0, 64, BLOCK_N)" in source  # this warpgroup's rows decide
-    persistent = render(HOPPER.replace(window=True, persistent=True))
+    persistent = render(HOPPER.replace(variants=("window",), persistent=True))
     assert "tile_info(last_first ? num_m_blocks - 1 - mb : mb," in persistent
 
 
@@ -126,7 +126,7 @@ def test_alibi_distances_stay_in_float():
     Where a warp's rows see the whole tile on one side of their diagonal (under causal, always), an
     element pays one FFMA: the distance's part common to a row goes to the softmax as an offset."""
     for causal in (True, False):
-        source = render(HOPPER.replace(alibi=True, causal=causal))
+        source = render(HOPPER.replace(variants=("alibi",), causal=causal))
         tile = source.split("DEVICE void tile(")[1].split("\n    }")[0]
         assert "abs(row" not in tile and "one_sided(s, " in tile
         assert ("fabsf(first + float((e / 2) * 8 - nt * 8 - (e & 1)))" in tile) == (not causal)
@@ -144,14 +144,14 @@ def test_the_backward_multiplies_the_caps_derivative_into_ds_and_alibi_does_not(
 
 def test_softcap_changes_the_softmax_scale_the_host_passes():
     plain = KernelSpec(head_dim=64)
-    capped = plain.replace(softcap=True)
+    capped = plain.replace(variants=("softcap",))
     value = {p.name: p.value for p in capped.family.params(capped).params}
     assert value["scale_log2"] == "softcap * LOG2E" and value["softcap_scale"] == "scale / softcap"
     assert {p.name: p.value for p in plain.family.params(plain).params}["scale_log2"] == "scale * LOG2E"
 
 
-@pytest.mark.parametrize("spec", [KernelSpec(head_dim=64, kind="fwd", window=True), HOPPER.replace(window=True),
-                                  tuning.decode_spec(64, "bf16", "sm_90a", True, 1).replace(window=True)],
+@pytest.mark.parametrize("spec", [KernelSpec(head_dim=64, kind="fwd", variants=("window",)), HOPPER.replace(variants=("window",)),
+                                  tuning.decode_spec(64, "bf16", "sm_90a", True, 1).replace(variants=("window",))],
                          ids=lambda spec: spec.name)
 def test_the_window_bounds_are_packed_as_the_kernel_takes_them(spec):
     pack = spec.family.packer(spec)
@@ -163,10 +163,10 @@ def test_the_tables_fall_back_to_the_family_that_builds_the_variant():
     hopper = tuning.forward_spec(128, "bf16", True, "sm_90a", 4096)
     for field in variants.FIELDS:
         chosen = tuning.forward_spec(128, "bf16", True, "sm_90a", 4096, variant=(field,))
-        assert getattr(chosen, field)
+        assert chosen.variants == (field,)
         assert chosen.kind == (hopper.kind if tuning.takes(hopper.kind, (field,)) else "fwd")
         for spec in tuning.backward_specs(128, "bf16", True, "sm_90a", False, variant=(field,)):
-            assert getattr(spec, field)
+            assert spec.variants == (field,)
 
 
 @pytest.mark.parametrize("head_dim", tuning.TEST_HEAD_DIMS)

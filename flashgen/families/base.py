@@ -27,17 +27,13 @@ NAME_PARTS = {
     "persistent": None,  # "persistent", or nothing
     "exp2_fma": "e{}",  # or nothing when 0
     "varlen": None,  # "varlen", or nothing
-    "window": None,  # the variants: their names, or nothing
-    "softcap": None,
-    "alibi": None,
+    "variants": None,  # the variants' names, or nothing
     "score_mod": None,  # "smod" / "mmod" + a hash of the rule's source, or nothing
     "mask_mod": None,
     "rotary": None,  # "rope_" + its style, or nothing
 }
 MODIFIER_TAG = {"score_mod": "smod", "mask_mod": "mmod"}
-VARIANT_TEXT = {"window": ", sliding window", "softcap": ", soft-capped scores", "alibi": ", ALiBi",
-                "score_mod": ", a user score rule", "mask_mod": ", a user mask rule"}  # for headers
-FLAGS = ("persistent", "varlen", "window", "softcap", "alibi")  # named when set
+FLAGS = ("persistent", "varlen")  # named when set
 
 
 def modifier_context(spec: KernelSpec) -> dict:
@@ -77,7 +73,8 @@ class Family:
 
     kinds: tuple[str, ...] = ()
     template: str = ""
-    fields: tuple[str, ...] = tuple(f for f in NAME_PARTS if f != "rotary")  # the spec fields the kernel's code depends on
+    # the spec fields the kernel's code depends on, and the variants (flashgen.variants) it builds
+    fields: tuple[str, ...] = (*(f for f in NAME_PARTS if f not in ("variants", "rotary")), *variants.FIELDS)
     arguments: tuple[str, ...] = ()  # the launch's named arguments, from which parameters are computed
     forward = False  # a forward kernel: what attention() runs and `flashgen build` makes importable
     archs: tuple[str, ...] = ARCHS  # the targets it builds for
@@ -100,11 +97,14 @@ class Family:
         """Raise SpecError unless this family can build and run `spec`."""
         self.check_arch(spec.kind, spec.arch)
         for field, default in DEFAULTS.items():
-            if field != "kind" and field not in self.fields and getattr(spec, field) != default:
+            if field not in ("kind", "variants") and field not in self.fields and getattr(spec, field) != default:
                 raise SpecError(
                     f"{field}={getattr(spec, field)!r}: a {spec.kind} kernel does not use {field} "
                     f"(leave it at its default, {default!r})"
                 )
+        unbuilt = [name for name in spec.variants if name not in self.fields]
+        if unbuilt:
+            raise SpecError(f"variants={spec.variants!r}: a {spec.kind} kernel does not build {', '.join(unbuilt)}")
         self.check(spec)
         limit = SMEM_LIMIT[spec.arch]
         if spec.smem_bytes > limit:
@@ -120,7 +120,7 @@ class Family:
     def name(self, spec: KernelSpec) -> str:
         parts = [spec.kind]
         for field, form in NAME_PARTS.items():
-            if field in self.fields:
+            if field in self.fields or field == "variants":
                 value = getattr(spec, field)
                 if field == "causal":
                     parts.append("causal" if value else "full")
@@ -128,6 +128,8 @@ class Family:
                     parts.append(value.replace("_", ""))
                 elif field in FLAGS:
                     parts += [field] if value else []
+                elif field == "variants":
+                    parts += list(value)
                 elif field == "exp2_fma":
                     parts += [form.format(value)] if value else []
                 elif field == "rotary":
@@ -169,6 +171,7 @@ class Family:
 
     def context(self, spec: KernelSpec) -> dict:
         """Everything the template may use: the spec's fields and what is derived from them."""
+        on = variants.on(spec)
         return {
             **dataclasses.asdict(spec),
             "name": spec.name,
@@ -178,13 +181,17 @@ class Family:
             "ptx_type": {"fp16": "f16", "bf16": "bf16"}[spec.dtype],
             "wgmma": False,
             "params": self.params(spec).signature(),
-            "mask_args": ", window_left, window_right" if spec.window else "",  # the Mask's runtime bounds
-            "score": spec.softcap or spec.alibi or bool(spec.score_mod),  # a score piece (templates/score.cuh.j2)
-            "score_grad": spec.softcap or bool(spec.score_mod),  # the backward multiplies dS by the score's derivative
-            # the forwards' ALiBi: a tile's distances split into a part per key and one per row (score.cuh.j2)
-            "score_offsets": spec.alibi and not spec.score_mod and spec.kind in ("fwd", "fwd_sm90"),
+            **{name: name in spec.variants for name in variants.FIELDS},  # each variant's flag (templates' hooks)
+            # the Mask's runtime bounds (templates/mask.cuh.j2)
+            "mask_args": "".join(f", {arg}" for declaration in on for arg in declaration.mask_args),
+            "score": any(declaration.score for declaration in on),  # a score piece (templates/score.cuh.j2)
+            "score_grad": any(declaration.grad for declaration in on),  # the backward multiplies dS by the score's derivative
+            # the forwards' positional score alone (ALiBi): a tile's distances split into a part per key
+            # and one per row (score.cuh.j2)
+            "score_offsets": (any(d.score == "positional" for d in on) and not any(d.score == "rule" for d in on)
+                              and spec.kind in ("fwd", "fwd_sm90")),
             **modifier_context(spec),
-            "variants_text": "".join(text for field, text in VARIANT_TEXT.items() if getattr(spec, field, False)),
+            "variants_text": "".join(declaration.header for declaration in on),
             "smem_layout": self.smem(spec).cuda(),
             "dependent_launch": self.dependent_launch(spec),  # the kernel waits with griddepcontrol.wait
         }
@@ -203,12 +210,10 @@ class Family:
 _packers: dict[tuple[str, str], object] = {}
 
 
-# Registers each variant takes from the accumulators' budget in the per-element loops (its bounds,
-# slope or cap, its indices). Where ptxas still spills, the tuning table's variant entries pick
-# smaller tiles (tests/test_variants.py compiles every pick).
-VARIANT_REGISTERS = 8
-RULE_REGISTERS = 48  # a user rule: its tensors' addresses and whatever its expression holds live
-MAX_MARGIN = 48  # variants share their index registers
+# Each variant takes registers from the accumulators' budget in the per-element loops (its bounds,
+# slope or cap, its indices: its declaration's `registers`). Where ptxas still spills, the tuning
+# table's variant entries pick smaller tiles (tests/test_variants.py compiles every pick).
+MAX_MARGIN = 48  # variants share their index registers (a rule's own cost: its declaration's registers)
 
 
 class MmaTiles(Family):
@@ -217,9 +222,10 @@ class MmaTiles(Family):
     registers."""
 
     owner = "block_m"
-    fields = tuple(field for field in NAME_PARTS if field not in ("persistent", "exp2_fma", "rotary"))  # one block per tile, always
+    fields = (*(field for field in NAME_PARTS if field not in ("persistent", "exp2_fma", "rotary", "variants")),  # one block per tile
+              *variants.FIELDS)
     max_accumulators = 192  # fp32 accumulators per thread that fit in 255 registers with room to spare
-    variant_registers = VARIANT_REGISTERS  # what each variant takes from that budget
+    builtins_free = False  # the family's tiles hold the built-in variants at no cost (a rule still costs)
 
     def check(self, spec: KernelSpec) -> None:
         if spec.num_warps not in (1, 2, 4, 8):
@@ -238,14 +244,13 @@ class MmaTiles(Family):
                 f"({self.owner} in {{{16 * spec.num_warps}, {32 * spec.num_warps}}})"
             )
         check_rules_fixed_length(spec)
-        on = [field for field in (*variants.FIELDS, "score_mod", "mask_mod") if getattr(spec, field)]
-        rules = bool(spec.score_mod) + bool(spec.mask_mod)
-        margin = min(self.variant_registers * (len(on) - rules) + RULE_REGISTERS * rules, MAX_MARGIN)
+        on = variants.on(spec)
+        margin = min(sum(0 if self.builtins_free and not d.rule else d.registers for d in on), MAX_MARGIN)
         limit = self.max_accumulators - margin
         if self.accumulators(spec) > limit:
             raise SpecError(
                 f"block_m={spec.block_m}, block_n={spec.block_n}, head_dim={spec.head_dim}, "
-                f"num_warps={spec.num_warps}{''.join(f', {field}=True' for field in on)}: each thread would hold "
+                f"num_warps={spec.num_warps}{''.join(f', {d.name}' for d in on)}: each thread would hold "
                 f"{self.accumulators(spec)} fp32 accumulators; at most {limit} fit in registers "
                 f"(use smaller tiles, or more warps for the same tiles)"
             )

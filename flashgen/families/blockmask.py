@@ -14,8 +14,10 @@ class BlockMaskStates(Family):
     kinds = ("block_mask",)
     needs_rule = True  # (its spec is a mask rule's source: flashgen.blockmask makes it from a MaskMod)
     template = "block_mask.cu.j2"
-    fields = ("block_m", "block_n", "causal", "arch", "window", "mask_mod")  # head_dim: unused (pass 8)
-    arguments = ("states", "seqlen_q", "seqlen_k", "batches", "heads", "window_left", "window_right", "mask_mod_tensors")
+    # head_dim: unused (pass 8); the built-in variants that hide keys, beside the rule
+    fields = ("block_m", "block_n", "causal", "arch", *(d.name for d in variants.REGISTRY if d.mask and not d.rule), "mask_mod")
+    arguments = ("states", "seqlen_q", "seqlen_k", "batches", "heads",
+                 *(a for d in variants.REGISTRY if d.mask and not d.rule for a in d.arguments), "mask_mod_tensors")
 
     def check(self, spec: KernelSpec) -> None:
         if not spec.mask_mod:

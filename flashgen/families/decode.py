@@ -196,8 +196,8 @@ class DecodeAttention(Family):
             "warps_n": self.warps_n(spec),
             "max_splits": MAX_SPLITS,
             # The mask piece's causal rule (a non-causal call puts every row at the last query), or
-            # the window's rule, whose right side holds the causal one (0 then).
-            "causal": not spec.window,
+            # a variant's that holds it (a window's right side is 0 then).
+            "causal": not any(d.holds_causal for d in variants.on(spec)),
         }
 
 

@@ -11,7 +11,7 @@ from .. import variants
 from ..params import Param, Params, scalar, strides, tensormap
 from ..smem import Region, SmemLayout
 from ..spec import SMEM_LIMIT, KernelSpec, SpecError
-from .base import VARIANT_REGISTERS, Family, block_mask_lists, check_rules_fixed_length
+from .base import Family, block_mask_lists, check_rules_fixed_length
 from .forward import PACKED, forward_outputs_and_sizes
 
 # Registers a consumer thread may hold in accumulators (S, O, and P packed), by consumer
@@ -22,7 +22,7 @@ MAX_ACCUMULATORS = {2: 200, 3: 128}
 # at d = 64 compile without spills, the next block_n up spills). Three consumers have no room.
 MAX_WITH_Q = {2: 208, 3: 0}
 # What a user rule takes beside them (its tensors' addresses, the values its expression holds per
-# element), and each built-in variant once a rule is on (base.VARIANT_REGISTERS): calibrated on the
+# element), and each built-in variant once a rule is on (its declaration's registers): calibrated on the
 # CPU compile sweep (tests/test_variants.py), past which the kernels spilled.
 RULE_MARGINS = {"mask_mod": 12, "score_mod": 20}
 
@@ -91,12 +91,12 @@ class HopperForward(Family):
             )
         rules = [rule for rule in RULE_MARGINS if getattr(spec, rule)]
         if rules:
-            on = [field for field in variants.FIELDS if getattr(spec, field)]
-            margin = sum(RULE_MARGINS[rule] for rule in rules) + VARIANT_REGISTERS * len(on)
+            on = [d for d in variants.on(spec) if not d.rule]
+            margin = sum(RULE_MARGINS[rule] for rule in rules) + sum(d.registers for d in on)
             if held + margin > limit:
                 raise SpecError(
                     f"block_m={spec.block_m}, block_n={spec.block_n}, head_dim={spec.head_dim} with "
-                    f"{', '.join(rules + on)}: each consumer thread would hold {held} registers of accumulators and "
+                    f"{', '.join(rules + [d.name for d in on])}: each consumer thread would hold {held} registers of accumulators and "
                     f"{margin} for the rules and variants; at most {limit} fit (use a smaller block_n, or block_m=128)"
                 )
 
@@ -110,8 +110,7 @@ class HopperForward(Family):
         the variants take, and no user rule runs (its values live beside S)."""
         if spec.score_mod or spec.mask_mod:
             return False
-        on = [field for field in variants.FIELDS if getattr(spec, field)]
-        held = self.accumulators(spec) + self.head_dim_pad(spec) // 4 + VARIANT_REGISTERS * len(on)
+        held = self.accumulators(spec) + self.head_dim_pad(spec) // 4 + sum(d.registers for d in variants.on(spec))
         return held <= MAX_WITH_Q[self.consumers(spec)]
 
     def threads(self, spec: KernelSpec) -> int:

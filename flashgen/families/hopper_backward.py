@@ -78,12 +78,19 @@ MAX_DQ_PIECES = 2  # block_n=128: a step's dQ tile, one piece per consumer warpg
 SCORE_REGISTERS = 16
 
 
+def _pointwise_grad(spec: KernelSpec) -> bool:
+    """A score variant that is a function of the score alone, with a derivative (softcap's tanh)."""
+    return any(d.score == "pointwise" and d.grad for d in variants.on(spec))
+
+
 def capped_first(spec: KernelSpec) -> bool:
-    """Softcap as the only score piece in the block_n=128 layout: while dP^T is computed, tanh and
-    the exponentials turn S^T into P^T (1 - u^2) (u the capped value; its derivative folded in) and
-    P^T leaves at once as dV's 16-bit operand, 8 registers per 16 queries; once dP^T has landed,
-    dS^T = S^T (dP^T - delta) as without a cap. No fp32 tile beside the accumulators is held."""
-    return spec.softcap and not spec.alibi and not spec.score_mod and spec.block_n == 128
+    """A pointwise score variant with a derivative (softcap) as the only score piece in the
+    block_n=128 layout: while dP^T is computed, tanh and the exponentials turn S^T into P^T (1 - u^2)
+    (u the capped value; its derivative folded in) and P^T leaves at once as dV's 16-bit operand,
+    8 registers per 16 queries; once dP^T has landed, dS^T = S^T (dP^T - delta) as without a cap.
+    No fp32 tile beside the accumulators is held."""
+    scores = [d for d in variants.on(spec) if d.score]
+    return len(scores) == 1 and scores[0].score == "pointwise" and scores[0].grad and spec.block_n == 128
 
 
 class HopperBackward(Family):
@@ -98,8 +105,8 @@ class HopperBackward(Family):
     # up to 64 with block_m=64), computing P^T and dS^T in one pass after both score products. Mask
     # rules in both: each key tile walks the query tiles its block mask lists (per key tile), testing
     # the rule per element in partial ones.
-    fields = ("head_dim", "block_m", "block_n", "dtype", "causal", "num_stages", "arch", "varlen", "window", "softcap",
-              "alibi", "score_mod", "mask_mod")
+    fields = ("head_dim", "block_m", "block_n", "dtype", "causal", "num_stages", "arch", "varlen", *variants.FIELDS,
+              "score_mod", "mask_mod")
     arguments = ("q", "k", "v", "d_o", "lse_log2", "delta", "dk", "dv", "dq_accum", "scale", "cu_seqlens_q", "cu_seqlens_k",
                  "max_seqlen_k", *variants.ARGUMENTS)
     tune_space = {"block_m": (64, 128), "block_n": (64, 128), "num_stages": (2, 3)}
@@ -149,11 +156,11 @@ class HopperBackward(Family):
             held, holds = pad + spec.block_m, "dV, dK, S^T, dP^T"
         # softcap's tanh over 128 queries a step (64 scores a thread) spilled at d = 64 (a mask rule's
         # test, branch-free since its `mask | rule`, fits: CPU compile sweep, tests/test_variants.py)
-        wide_scores = spec.softcap and spec.block_m == 128
+        wide_scores = _pointwise_grad(spec) and spec.block_m == 128
         # softcap's P^T operand held across the dP^T wait, beside a window's or varlen's per-element
         # tests: 8-32 bytes spilled at d = 96 and 128 (CPU compile sweep)
-        masked_cap = capped_first(spec) and (spec.window or spec.varlen)
-        score_tile = (spec.softcap and not capped_first(spec)) or spec.score_mod or masked_cap
+        masked_cap = capped_first(spec) and (any(d.mask and not d.rule for d in variants.on(spec)) or spec.varlen)
+        score_tile = (_pointwise_grad(spec) and not capped_first(spec)) or spec.score_mod or masked_cap
         if (score_tile or wide_scores) and not self.split(spec) and held + SCORE_REGISTERS > 192:
             raise SpecError(
                 f"block_m={spec.block_m}, head_dim={spec.head_dim}: with a score_mod, softcap beside ALiBi, a window or varlen, or "
