@@ -91,23 +91,22 @@ def attention(
                 alibi_slopes=alibi_slopes, score_mod=score_mod, mask_mod=mask_mod)
 
 
-def call_variant(q, k, causal, window_size, softcap, alibi_slopes, score_mod, mask_mod) -> tuple:
-    """A call's variant arguments, checked, as the ops take them (VARIANT_ARGS), or () when plain.
-    Window sides of at least Tk keys are unbounded (flash_attn_func's rule)."""
-    chosen = variants.make(causal, window_size, softcap, alibi_slopes, q.shape[0], q.shape[1], q.device, keys=k.shape[-2])
-    rules = []
-    for name, rule, kind in (("score_mod", score_mod, modifiers.ScoreMod), ("mask_mod", mask_mod, modifiers.MaskMod)):
-        if rule is not None and not isinstance(rule, kind):
-            raise TypeError(f"{name} must be a flashgen.{kind.__name__}, got {type(rule).__name__}")
-        tensors = [] if rule is None else rule.arguments()
-        for tensor_name, tensor in zip(() if rule is None else rule.tensors, tensors):
-            if tensor.device != q.device:
-                raise ValueError(f"{name}'s tensor {tensor_name!r} is on {tensor.device}, the inputs on {q.device}")
-        rules += ["" if rule is None else rule.source, tensors]
-    if chosen == variants.PLAIN and not rules[0] and not rules[2]:
-        return ()
-    slopes = None if alibi_slopes is None else alibi_slopes.expand(q.shape[0], q.shape[1])  # sliced like q
-    return (chosen.window_left, chosen.window_right, chosen.softcap, slopes, *rules)
+def call_variant(q, k, causal, **keywords) -> variants.Variant:
+    """A call's variants (flashgen.variants' keywords), checked: window sides of at least Tk keys
+    are unbounded (flash_attn_func's rule), slopes are per head or per batch and head."""
+    return variants.make(variants.Call(causal, q.shape[0], q.shape[1], q.device, keys=k.shape[-2]), **keywords)
+
+
+def _with_neutral(spec: KernelSpec, chosen: variants.Variant, call: variants.Call, given: dict) -> variants.Variant:
+    """A prebuilt kernel's variant that the call asked for but that bounds nothing at its shapes (a
+    window of at least Tk keys, FlashAttention's rule) runs at values with which the kernel computes
+    as if it were off (unbounded sides), rather than being refused."""
+    neutral = {}
+    for declaration in variants.on(spec):
+        value = given.get(declaration.keyword, declaration.default)
+        if declaration.neutral and declaration.name not in chosen.fields and value is not None and value != declaration.default:
+            neutral.update(declaration.neutral(call))
+    return variants.Variant({**chosen.args, **neutral}) if neutral else chosen
 
 
 def call(q, k, v, causal, scale, return_lse, deterministic, spec: KernelSpec | None = None, *,
@@ -116,9 +115,10 @@ def call(q, k, v, causal, scale, return_lse, deterministic, spec: KernelSpec | N
     the one path every public entry point takes."""
     q, k, v = ops.autocast_inputs(q, k, v)
     check_inputs(q, k, v)
-    variant = ()
+    chosen = variants.PLAIN
     if alibi_slopes is not None or softcap or window_size != (-1, -1) or score_mod is not None or mask_mod is not None:
-        variant = call_variant(q, k, causal, window_size, softcap, alibi_slopes, score_mod, mask_mod)  # () when plain
+        chosen = call_variant(q, k, causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                              score_mod=score_mod, mask_mod=mask_mod)
     kernel = ""
     if spec is not None:
         if q.shape[-1] != spec.head_dim or DTYPES[q.dtype] != spec.dtype:
@@ -126,19 +126,16 @@ def call(q, k, v, causal, scale, return_lse, deterministic, spec: KernelSpec | N
                 f"{spec.name} takes head_dim={spec.head_dim} {spec.dtype}; got head_dim="
                 f"{q.shape[-1]} {DTYPES[q.dtype]}"
             )
-        wanted = dict.fromkeys(variants.Variant(*variant[:3], variant[3] is not None).fields if variant else (), True)
-        if variants.has(spec, "window") and tuple(window_size) != (-1, -1) and "window" not in wanted:
-            # the call's window bounds nothing at this Tk (sides >= Tk are unbounded): the window kernel
-            # runs it with unbounded sides (causal's right side stays 0: the kernel's window is its mask)
-            variant = (-1, 0 if causal else -1, *(variant[2:] if variant else (0.0, None, "", [], "", [])))
-            wanted["window"] = True
-        wanted.update({field: source for field, source in zip(("score_mod", "mask_mod"), variant[4::2]) if source})
+        given = {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes, "score_mod": score_mod,
+                 "mask_mod": mask_mod}
+        chosen = _with_neutral(spec, chosen, variants.Call(causal, q.shape[0], q.shape[1], q.device, k.shape[-2]), given)
         have = {d.name: getattr(spec, d.name) if d.rule else True for d in variants.on(spec)}
+        wanted = dict(item if isinstance(item, tuple) else (item, True) for item in chosen.fields)
         if have != wanted:
             raise ValueError(
                 f"{spec.name} is built for variants {sorted(have) or 'none'}; this call asks for {sorted(wanted) or 'none'}"
             )
         kernel = spec.canonical()
     o, lse = ops.attention(q, k, v, None, None, 0, 0, bool(causal), softmax_scale(scale, q.shape[-1]), kernel,
-                           bool(deterministic), need_lse=bool(return_lse), variant=variant)
+                           bool(deterministic), need_lse=bool(return_lse), variant=chosen.op_args())
     return (o, lse) if return_lse else o

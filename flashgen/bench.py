@@ -742,9 +742,7 @@ def variant_fields(q, causal: bool, kwargs: dict) -> tuple[str, ...]:
     """The variant fields flashgen's kernels get for attention(q, ..., causal, **kwargs)."""
     from . import variants
 
-    chosen = variants.make(causal, kwargs.get("window_size", (-1, -1)), kwargs.get("softcap", 0.0),
-                           kwargs.get("alibi_slopes"), q.shape[0], q.shape[1], q.device)
-    return chosen.fields
+    return variants.make(variants.Call(causal, q.shape[0], q.shape[1], q.device), **kwargs).fields
 
 
 def _flashgen(kwargs: dict):

@@ -25,11 +25,10 @@ from .blockmask import BlockMasks
 from .families.decode import fast_divisor
 from .inputs import aligned
 
-# A call's variant travels as these arguments of the ops, after `deterministic`; PLAIN_ARGS are a
-# plain call's (the eager path passes none at all).
-VARIANT_ARGS = ("window_left", "window_right", "softcap", "alibi_slopes", "score_mod", "score_mod_tensors", "mask_mod",
-                "mask_mod_tensors")
-PLAIN_ARGS = (-1, -1, 0.0, None, "", [], "", [])
+# A call's variants travel as these arguments of the ops, after `deterministic` (flashgen.variants
+# declares them); PLAIN_ARGS are a plain call's (the eager path passes none at all).
+VARIANT_ARGS = tuple(name for name, _, _ in variants.OP_ARGS)
+PLAIN_ARGS = variants.PLAIN_ARGS
 
 
 def autocast_inputs(q, k, v):
@@ -41,22 +40,20 @@ def autocast_inputs(q, k, v):
                  for t in (q, k, v))
 
 
-def variant_values(q, k, causal, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, score_mod="",
-                   score_mod_tensors=None, mask_mod="", mask_mod_tensors=None) -> tuple[tuple, dict]:
-    """The variant of a call's kernels (tuning.variant_fields' form) and the values they take
-    (flashgen.variants, flashgen.modifiers; the arguments are already checked). Rules take fixed
-    layouts only: their block mask reads q and k as (batch, heads, seq, d)."""
-    flags = variants.Variant(window_left, window_right, softcap, alibi_slopes is not None)
-    variant = (*flags.fields, *((("score_mod", score_mod),) if score_mod else ()), *((("mask_mod", mask_mod),) if mask_mod else ()))
-    values = {**flags.values(), "alibi_slopes": alibi_slopes, "score_mod_tensors": list(score_mod_tensors or ()),
-              "mask_mod_tensors": list(mask_mod_tensors or ())}
-    if mask_mod:
-        rule = modifiers.Rule(mask_mod, values["mask_mod_tensors"])
-        masks = tuple(name for name in flags.fields if variants.BY_NAME[name].mask)  # the block mask honours them too
+def variant_values(q, k, causal, *op_args) -> tuple[tuple, dict]:
+    """The variant of a call's kernels (tuning.variant_fields' form) and the values they take by
+    name, from the ops' variant arguments (already checked). A mask rule's block mask honours the
+    other variants that hide keys; rules take fixed layouts only: it reads q and k as (batch,
+    heads, seq, d)."""
+    chosen = variants.Variant.from_op_args(op_args)
+    values = chosen.values()
+    if "mask_mod" in chosen.args:
+        rule = modifiers.Rule(chosen.args["mask_mod"], values["mask_mod_tensors"])
+        masks = tuple(name for name in chosen.fields if name in variants.FIELDS and variants.BY_NAME[name].mask)
         mask_values = {arg: values[arg] for name in masks for arg in variants.BY_NAME[name].arguments}
         values["block_masks"] = BlockMasks(rule, causal, masks, mask_values, q.shape[0], q.shape[1], q.shape[2], k.shape[2],
                                            q.device, plans.device_arch(q.get_device()))
-    return variant, values
+    return chosen.fields, values
 
 
 def side_tensors(variant) -> list[torch.Tensor]:
@@ -134,16 +131,14 @@ def backward_impl(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, max_s
     return dq, dk, dv
 
 
-@torch.library.custom_op("flashgen::attention_fwd", mutates_args=(), device_types="cuda")
-def attention_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
-    max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float, kernel: str, deterministic: bool,
-    window_left: int, window_right: int, softcap: float, alibi_slopes: torch.Tensor | None,
-    score_mod: str, score_mod_tensors: list[torch.Tensor], mask_mod: str, mask_mod_tensors: list[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, lse). max_seqlen_k and `deterministic` are for the backward (the forward always is)."""
-    return forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale, kernel, True, window_left,
-                        window_right, softcap, alibi_slopes, score_mod, score_mod_tensors, mask_mod, mask_mod_tensors)
+@torch.library.custom_op("flashgen::attention_fwd", mutates_args=(), device_types="cuda", schema=(
+    "(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, "
+    f"bool causal, float scale, str kernel, bool deterministic, {variants.OP_SCHEMA}) -> (Tensor, Tensor)"))
+def attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, kernel, deterministic,
+                  *variant):
+    """(o, lse). max_seqlen_k and `deterministic` are for the backward (the forward always is);
+    `variant`: VARIANT_ARGS."""
+    return forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale, kernel, True, *variant)
 
 
 @attention_fwd.register_fake
@@ -152,18 +147,15 @@ def _attention_fwd_fake(q, k, v, cu_seqlens_q, *args):
     return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
 
 
-@torch.library.custom_op("flashgen::attention_bwd", mutates_args=(), device_types="cuda")
-def attention_bwd(
-    d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-    d_lse: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
-    max_seqlen_k: int, causal: bool, scale: float, deterministic: bool, kernel: str, window_left: int, window_right: int,
-    softcap: float, alibi_slopes: torch.Tensor | None, score_mod: str, score_mod_tensors: list[torch.Tensor], mask_mod: str,
-    mask_mod_tensors: list[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@torch.library.custom_op("flashgen::attention_bwd", mutates_args=(), device_types="cuda", schema=(
+    "(Tensor d_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor? d_lse, Tensor? cu_seqlens_q, "
+    "Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, bool causal, float scale, bool deterministic, "
+    f"str kernel, {variants.OP_SCHEMA}) -> (Tensor, Tensor, Tensor)"))
+def attention_bwd(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                  deterministic, kernel, *variant):
     """(dq, dk, dv) from the forward's inputs, output and log-sum-exp; P is recomputed."""
     return backward_impl(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-                         deterministic, kernel, window_left, window_right, softcap, alibi_slopes, score_mod, score_mod_tensors,
-                         mask_mod, mask_mod_tensors)
+                         deterministic, kernel, *variant)
 
 
 @attention_bwd.register_fake
@@ -236,7 +228,7 @@ NO_STRIDES = (0, 0, 0, 0)  # of the new keys and values when there are none
 
 
 def kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, paged: bool, capacity: int, seqlen_new: int,
-            scale: float, causal: bool, variant: variants.Variant, alibi_slopes, rotary: str, rotary_cos, rotary_sin,
+            scale: float, causal: bool, variant: variants.Variant, rotary: str, rotary_cos, rotary_sin,
             cache_batch_idx, cache_leftpad, num_splits: int, need_lse: bool):
     """(o, lse) of attention_with_kvcache's checked inputs: the decode plan for the shape, one
     launch (split-KV merged inside it); lse (batch, heads, seqlen_q) fp32, or None."""
@@ -247,47 +239,51 @@ def kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, paged: bool, 
         return o, lse
     device = q.get_device()
     keys = capacity + seqlen_new
-    if variant.window and min(variant.window_left, variant.window_right) >= 0:
-        keys = min(keys, seqlen_q + variant.window_left + variant.window_right)  # the most one block's windows see
+    if variant.args:
+        keys = min(keys, variant.keys_seen(seqlen_q) or keys)  # the most one block's windows see
     plan, splits = plans.decode(device, head_dim, q.dtype, paged, seqlen_q * (heads // k_cache.shape[2]), batch,
                                 k_cache.shape[2], keys, num_splits, variant.fields, rotary)
     values = decode_values(q, k_cache, v_cache, k, v, cache_seqlens, block_table, capacity, seqlen_new, o, lse, splits,
-                           causal, scale, variant, alibi_slopes)
+                           causal, scale, variant)
     if rotary or cache_batch_idx is not None or cache_leftpad is not None:  # (not the usual decode step)
         values.update(decode_extras(cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin))
     plan.run(device, values)
     return o, lse
 
 
-@torch.library.custom_op("flashgen::attention_with_kvcache", mutates_args=("k_cache", "v_cache"), device_types="cuda")
-def attention_with_kvcache_op(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-    rotary_cos: torch.Tensor | None, rotary_sin: torch.Tensor | None, cache_seqlens: torch.Tensor | None, cache_len: int,
-    cache_batch_idx: torch.Tensor | None, cache_leftpad: torch.Tensor | None, block_table: torch.Tensor | None,
-    softmax_scale: float | None, causal: bool, window_left: int, window_right: int, softcap: float, rotary_interleaved: bool,
-    alibi_slopes: torch.Tensor | None, num_splits: int, return_softmax_lse: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@torch.library.custom_op("flashgen::attention_with_kvcache", mutates_args=("k_cache", "v_cache"), device_types="cuda", schema=(
+    "(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, Tensor? rotary_cos, Tensor? rotary_sin, "
+    "Tensor? cache_seqlens, SymInt cache_len, Tensor? cache_batch_idx, Tensor? cache_leftpad, Tensor? block_table, "
+    "float? softmax_scale, bool causal, bool rotary_interleaved, SymInt num_splits, bool return_softmax_lse, "
+    f"{variants.KEYWORD_SCHEMA}) -> (Tensor, Tensor)"))
+def attention_with_kvcache_op(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len, cache_batch_idx,
+                              cache_leftpad, block_table, softmax_scale, causal, rotary_interleaved, num_splits,
+                              return_softmax_lse, *keywords):
     """attention_with_kvcache as one op: cache_seqlens is the tensor, or else cache_len (-1: None);
-    lse is (0,) when not asked for (an op returns tensors)."""
+    the variants' keywords as given (variants.KEYWORDS); lse is (0,) when not asked for (an op
+    returns tensors)."""
     from .serving import attention_with_kvcache  # (the public function: it checks, then runs kvcache above)
 
     lengths = cache_seqlens if cache_seqlens is not None else (None if cache_len < 0 else cache_len)
     out = attention_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, lengths, cache_batch_idx, cache_leftpad,
-                                 block_table, softmax_scale, causal, (window_left, window_right), softcap, rotary_interleaved,
-                                 alibi_slopes, num_splits, return_softmax_lse)
+                                 block_table, softmax_scale, causal, rotary_interleaved=rotary_interleaved,
+                                 num_splits=num_splits, return_softmax_lse=return_softmax_lse,
+                                 **dict(zip(variants.KEYWORDS, keywords)))
     out, lse = out if return_softmax_lse else (out, q.new_empty(0, dtype=torch.float32))
     return out, lse
 
 
 @attention_with_kvcache_op.register_fake
-def _attention_with_kvcache_fake(q, k_cache, v_cache, *args):
+def _attention_with_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len, cache_batch_idx,
+                                 cache_leftpad, block_table, softmax_scale, causal, rotary_interleaved, num_splits,
+                                 return_softmax_lse, *keywords):
     batch, seqlen_q, heads, _ = q.shape
-    lse_shape = (batch, heads, seqlen_q) if args[-1] else (0,)
+    lse_shape = (batch, heads, seqlen_q) if return_softmax_lse else (0,)
     return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 def decode_values(q, k_cache, v_cache, k, v, cache_seqlens, block_table, capacity, seqlen_new, o, lse, splits, causal,
-                  scale, variant: variants.Variant = variants.PLAIN, alibi_slopes=None) -> dict:
+                  scale, variant: variants.Variant = variants.PLAIN) -> dict:
     """What the decode plan's kernels take (families.decode.DecodeAttention.arguments): the
     tensors (copied where their rows are not 16-byte aligned; never the caches), the sizes read
     once here, and the variants' values."""
@@ -305,8 +301,8 @@ def decode_values(q, k_cache, v_cache, k, v, cache_seqlens, block_table, capacit
         "batch": batch, "seqlen_q": seqlen_q, "heads": heads, "kv_heads": k_cache.shape[2], "seqlen_new": seqlen_new,
         "splits": splits, "causal": bool(causal), "scale": scale,
     }
-    if variant.fields:
-        values.update(variant.values(), alibi_slopes=alibi_slopes)
+    if variant.args:
+        values.update(variant.values())
     if block_table is not None:
         page_size = k_cache.shape[1]
         if block_table.stride(-1) != 1:
@@ -329,7 +325,7 @@ def decode_extras(cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin) -> dic
 
 
 def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, causal,
-                 scale, variant: variants.Variant, alibi_slopes, need_lse):
+                 scale, variant: variants.Variant, need_lse):
     """(o, lse) of packed queries over their pages of a paged cache: the decode plan's varlen
     kernel, sized by max_seqlen_q and max_seqlen_k (never by cu_seqlens' values, so a captured graph
     replays with new ones); o like q, lse (heads, total_q) fp32 or None."""
@@ -345,7 +341,7 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     plan, splits = plans.decode(device, head_dim, q.dtype, True, max_seqlen_q * (heads // kv_heads), batch, kv_heads,
                                 min(max_seqlen_k, capacity), 0, variant.fields, "", True)
     values = decode_values(q[None], k_cache, v_cache, None, None, None, block_table, capacity, 0, o[None], lse, splits, causal,
-                           scale, variant, alibi_slopes)
+                           scale, variant)
     # launch_values read batch and seqlen_q off the (1, total_q, heads, d) view: the grid's are the
     # sequences and the longest one's queries.
     values.update(batch=batch, seqlen_q=max_seqlen_q, cu_seqlens_q=cu_seqlens_q.contiguous(),
@@ -354,24 +350,25 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     return o, lse
 
 
-@torch.library.custom_op("flashgen::attention_varlen_paged", mutates_args=(), device_types="cuda")
-def attention_varlen_paged_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int, max_seqlen_k: int, block_table: torch.Tensor, softmax_scale: float | None, causal: bool,
-    window_left: int, window_right: int, softcap: float, alibi_slopes: torch.Tensor | None, return_lse: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """attention_varlen over a paged cache as one op (what torch.compile records); lse is (0,) when
-    not asked for."""
+@torch.library.custom_op("flashgen::attention_varlen_paged", mutates_args=(), device_types="cuda", schema=(
+    "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, "
+    f"Tensor block_table, float? softmax_scale, bool causal, bool return_lse, {variants.KEYWORD_SCHEMA}) -> (Tensor, Tensor)"))
+def attention_varlen_paged_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, softmax_scale,
+                              causal, return_lse, *keywords):
+    """attention_varlen over a paged cache as one op (what torch.compile records), the variants'
+    keywords as given (variants.KEYWORDS); lse is (0,) when not asked for."""
     from .varlen import attention_varlen  # (the public function: it checks, then runs paged_varlen)
 
-    out = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, softmax_scale, causal,
-                           (window_left, window_right), softcap, alibi_slopes, False, return_lse, block_table)
+    out = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale,
+                           causal=causal, return_lse=return_lse, block_table=block_table,
+                           **dict(zip(variants.KEYWORDS, keywords)))
     return out if return_lse else (out, q.new_empty(0, dtype=torch.float32))
 
 
 @attention_varlen_paged_op.register_fake
-def _attention_varlen_paged_fake(q, *args):
-    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]) if args[-1] else (0,), dtype=torch.float32)
+def _attention_varlen_paged_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, softmax_scale,
+                                 causal, return_lse, *keywords):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]) if return_lse else (0,), dtype=torch.float32)
 
 
 # ---- the merge of two attention states -------------------------------------------------------------

@@ -88,7 +88,8 @@ def _variant(q, causal, window_size, softcap, alibi_slopes, capacity: int) -> va
     query head; window sides of at least the capacity unbounded, as FlashAttention makes them)."""
     if alibi_slopes is None and not softcap and window_size == (-1, -1):  # one cheap test for plain calls
         return variants.PLAIN
-    return variants.make(causal, window_size, softcap, alibi_slopes, q.shape[0], q.shape[2], q.device, keys=capacity)
+    return variants.make(variants.Call(causal, q.shape[0], q.shape[2], q.device, keys=capacity), window_size=window_size,
+                         softcap=softcap, alibi_slopes=alibi_slopes)
 
 
 def _check_cache_rows(batch: int, paged: bool, cache_batch_idx, cache_leftpad) -> None:
@@ -268,14 +269,14 @@ def attention_with_kvcache(
         length = -1 if cache_seqlens is None or lengths is not None else int(cache_seqlens)
         out, lse = ops.attention_with_kvcache_op(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, lengths, length, cache_batch_idx, cache_leftpad, block_table,
-            softmax_scale, causal, int(window_size[0]), int(window_size[1]), float(softcap), rotary_interleaved, alibi_slopes,
-            num_splits, return_softmax_lse)
+            softmax_scale, causal, rotary_interleaved, num_splits, return_softmax_lse,
+            [int(side) for side in window_size], float(softcap), alibi_slopes)  # (variants.KEYWORDS' order)
         return (out, lse) if return_softmax_lse else out
     paged, capacity, seqlen_new, variant, rotary = check_kvcache_inputs(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, causal, window_size, softcap, alibi_slopes,
         rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx, cache_leftpad)
     out, lse = ops.kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, paged, capacity, seqlen_new,
-                           inputs.softmax_scale(softmax_scale, q.shape[3]), causal, variant, alibi_slopes, rotary,
+                           inputs.softmax_scale(softmax_scale, q.shape[3]), causal, variant, rotary,
                            rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, num_splits, return_softmax_lse)
     return (out, lse) if return_softmax_lse else out
 

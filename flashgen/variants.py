@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Callable
 
 from .params import Param, pointer, scalar
@@ -45,6 +44,15 @@ class Declaration:
     mask_args:   the kernel parameters the Mask piece's constructor takes.
     holds_causal: its mask holds causal's too (a window's right side is 0 under causal), so a
                  kernel that has it asks it alone.
+    default:     the keyword's value when not given (the variant is off).
+    check:       (the keyword's value, the Call) -> its op arguments by name, checked and normalized,
+                 or None where the value turns it off (named errors for bad values).
+    op_args:     (name, torch schema type, value when off) of the op arguments it travels as.
+    neutral:     (Call) -> op arguments with which a kernel that has it computes as if it were off
+                 (a prebuilt kernel called without it), or None where none do.
+    keys_seen:   (op arguments, query rows) -> the most keys a block of those rows sees, or None.
+    keyword_schema: the keyword as a torch.library argument (for ops that take it as given and
+                 check it when they run), or "" where it cannot travel so (a rule's object).
     """
 
     name: str
@@ -60,6 +68,25 @@ class Declaration:
     mask_args: tuple[str, ...] = ()
     holds_causal: bool = False
     rule: bool = False  # a user rule (flashgen.modifiers): its spec field holds its source
+    default: object = None
+    check: Callable = field(default=lambda value, call: None, repr=False)
+    op_args: tuple[tuple[str, str, object], ...] = ()
+    neutral: Callable | None = field(default=None, repr=False)
+    keys_seen: Callable = field(default=lambda args, rows: None, repr=False)
+    keyword_schema: str = ""
+
+
+@dataclass(frozen=True)
+class Call:
+    """What a variant's check needs of a call: its mask, its batch (or sequences) and query heads,
+    its device, and FlashAttention's seqlen_k (attention: the keys; varlen: max_seqlen_k; kvcache:
+    the cache's capacity), past which a window side is unbounded (None: as given)."""
+
+    causal: bool
+    batch: int
+    heads: int
+    device: object
+    keys: int | None = None
 
 
 def window_bound(side: int) -> int:
@@ -82,6 +109,64 @@ def _alibi_params(spec) -> list[Param]:
             scalar("alibi_scale", "float", "1.0 / softcap" if has(spec, "softcap") else "1.0 / scale")]
 
 
+def _check_window(window_size, call: Call) -> dict | None:
+    """Causal caps the right side at 0, a side of at least call.keys is unbounded (FlashAttention's
+    rule), and a window that bounds nothing is no window (causal alone, or nothing)."""
+    try:
+        left, right = (int(x) for x in window_size)
+        ok = len(tuple(window_size)) == 2 and all(int(x) == x for x in window_size)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok or left < -1 or right < -1 or max(left, right) >= UNBOUNDED:
+        raise ValueError(
+            f"window_size={window_size!r}: must be (left, right), two ints >= -1 (-1 = unbounded) below {UNBOUNDED}"
+        )
+    if call.keys is not None:
+        left, right = clip_window((left, right), call.keys)
+    if call.causal:
+        right = 0 if left != -1 else -1  # (causal alone: the causal mask, no window)
+    return None if (left, right) == (-1, -1) else {"window_left": left, "window_right": right}
+
+
+def _window_keys(args: dict, rows: int) -> int | None:
+    left, right = args["window_left"], args["window_right"]
+    return rows + left + right if min(left, right) >= 0 else None
+
+
+def _check_softcap(softcap, call: Call) -> dict | None:
+    softcap = float(softcap or 0.0)
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap={softcap}: must be a finite number >= 0 (0 = no soft-capping)")
+    return {"softcap": softcap} if softcap else None
+
+
+def _check_alibi(slopes, call: Call) -> dict | None:
+    """Slopes per query head, or per batch (sequence) and query head, read as (batch, heads): the
+    plans slice them like q."""
+    if slopes is None:
+        return None
+    check_slopes(slopes, call.batch, call.heads, call.device)
+    return {"alibi_slopes": slopes.expand(call.batch, call.heads)}
+
+
+def _check_rule(kind: str):
+    def check(rule, call: Call) -> dict | None:
+        from . import modifiers
+
+        if rule is None:
+            return None
+        wanted = modifiers.ScoreMod if kind == "score_mod" else modifiers.MaskMod
+        if not isinstance(rule, wanted):
+            raise TypeError(f"{kind} must be a flashgen.{wanted.__name__}, got {type(rule).__name__}")
+        tensors = rule.arguments()
+        for name, tensor in zip(rule.tensors, tensors):
+            if tensor.device != call.device:
+                raise ValueError(f"{kind}'s tensor {name!r} is on {tensor.device}, the inputs on {call.device}")
+        return {kind: rule.source, f"{kind}_tensors": tensors}
+
+    return check
+
+
 def _rule_params(kind: str):
     def params(spec) -> list[Param]:
         from .modifiers import kernel_tensors
@@ -94,14 +179,21 @@ def _rule_params(kind: str):
 
 REGISTRY: tuple[Declaration, ...] = (
     Declaration("window", "window_size", ", sliding window", mask=True, arguments=("window_left", "window_right"),
-                params=_window_params, mask_args=("window_left", "window_right"), holds_causal=True),
+                params=_window_params, mask_args=("window_left", "window_right"), holds_causal=True, default=(-1, -1),
+                check=_check_window, op_args=(("window_left", "SymInt", -1), ("window_right", "SymInt", -1)),
+                neutral=lambda call: {"window_left": -1, "window_right": 0 if call.causal else -1}, keys_seen=_window_keys,
+                keyword_schema="SymInt[] window_size"),
     Declaration("softcap", "softcap", ", soft-capped scores", score="pointwise", grad=True, tuning_key="softcap",
-                arguments=("softcap",), params=_softcap_params),
-    Declaration("alibi", "alibi_slopes", ", ALiBi", score="positional", arguments=("alibi_slopes",), params=_alibi_params),
+                arguments=("softcap",), params=_softcap_params, default=0.0, check=_check_softcap,
+                op_args=(("softcap", "float", 0.0),), keyword_schema="float softcap"),
+    Declaration("alibi", "alibi_slopes", ", ALiBi", score="positional", arguments=("alibi_slopes",), params=_alibi_params,
+                check=_check_alibi, op_args=(("alibi_slopes", "Tensor?", None),), keyword_schema="Tensor? alibi_slopes"),
     Declaration("score_mod", "score_mod", ", a user score rule", score="rule", grad=True, registers=48,
-                arguments=("score_mod_tensors",), params=_rule_params("score_mod"), rule=True),
+                arguments=("score_mod_tensors",), params=_rule_params("score_mod"), rule=True, check=_check_rule("score_mod"),
+                op_args=(("score_mod", "str", ""), ("score_mod_tensors", "Tensor[]", []))),
     Declaration("mask_mod", "mask_mod", ", a user mask rule", mask=True, registers=48, tuning_key="mask_rule",
-                arguments=("mask_mod_tensors", "block_masks"), params=_rule_params("mask_mod"), rule=True),
+                arguments=("mask_mod_tensors", "block_masks"), params=_rule_params("mask_mod"), rule=True,
+                check=_check_rule("mask_mod"), op_args=(("mask_mod", "str", ""), ("mask_mod_tensors", "Tensor[]", []))),
 )
 BY_NAME = {declaration.name: declaration for declaration in REGISTRY}
 FIELDS = tuple(declaration.name for declaration in REGISTRY if not declaration.rule)  # what KernelSpec.variants holds
@@ -110,6 +202,12 @@ RULES = tuple(declaration.name for declaration in REGISTRY if declaration.rule) 
 # (flashgen.blockmask.BlockMasks: the tiles a mask rule leaves, per tile shape, made on first use)
 ARGUMENTS = tuple(name for declaration in REGISTRY for name in declaration.arguments)
 TUNING_KEYS = {declaration.tuning_key: declaration.name for declaration in REGISTRY if declaration.tuning_key}
+OP_ARGS = tuple(arg for declaration in REGISTRY for arg in declaration.op_args)  # the ops' variant arguments, in order
+OP_SCHEMA = ", ".join(f"{kind} {name}" for name, kind, _ in OP_ARGS)  # their torch.library schema
+PLAIN_ARGS = tuple(plain for _, _, plain in OP_ARGS)
+# The variants an op may take as given (a keyword each, checked when the op runs), and their schema
+KEYWORDS = tuple(declaration.keyword for declaration in REGISTRY if declaration.keyword_schema)
+KEYWORD_SCHEMA = ", ".join(declaration.keyword_schema for declaration in REGISTRY if declaration.keyword_schema)
 
 
 def on(spec) -> tuple[Declaration, ...]:
@@ -132,63 +230,68 @@ def normalized(names) -> tuple[str, ...]:
     return tuple(name for name in FIELDS if name in names)
 
 
-@dataclass(frozen=True)
+def _off(value, plain) -> bool:
+    return value is None if plain is None else (not value) if isinstance(plain, list) else value == plain
+
+
 class Variant:
-    """One call's variants. window_left / window_right: -1 = unbounded; with causal, the right
-    side is 0 (FlashAttention's rule). softcap: 0 = none. alibi: slopes are passed (the tensor
-    travels with the call's values, not here)."""
+    """One call's variants, checked: the op arguments of those that are on, by name (the others
+    travel at their values when off)."""
 
-    window_left: int = -1
-    window_right: int = -1
-    softcap: float = 0.0
-    alibi: bool = False
+    __slots__ = ("args", "fields")
 
-    @property
-    def window(self) -> bool:
-        return (self.window_left, self.window_right) != (-1, -1)
+    def __init__(self, args: dict | None = None):
+        self.args = args or {}
+        # tuning.variant_fields' form: the names of those on, and a rule's (name, source); a decode
+        # step reads it on every call
+        self.fields = tuple((d.name, self.args[d.name]) if d.rule else d.name for d in REGISTRY
+                            if any(name in self.args for name, _, _ in d.op_args))
 
-    @cached_property
-    def fields(self) -> tuple[str, ...]:
-        """The spec fields this variant sets (only those that are on: the plain spec stays plain).
-        Kept once computed: a decode step reads it on every call."""
-        on = {"window": self.window, "softcap": self.softcap > 0, "alibi": self.alibi}
-        return tuple(field for field, value in on.items() if value)
+    @classmethod
+    def from_op_args(cls, values) -> Variant:
+        """From the ops' positional variant arguments (OP_ARGS' order)."""
+        return cls({name: value for (name, _, plain), value in zip(OP_ARGS, values) if not _off(value, plain)})
+
+    def op_args(self) -> tuple:
+        """The ops' positional variant arguments (OP_ARGS' order), those off at their plain values;
+        () for a plain call (the eager path passes none at all)."""
+        return tuple(self.args.get(name, plain) for name, _, plain in OP_ARGS) if self.args else ()
 
     def values(self) -> dict:
-        """The kernels' named arguments, less the slopes tensor."""
-        return {"window_left": self.window_left, "window_right": self.window_right, "softcap": self.softcap}
+        """The kernels' named arguments: the op arguments, less the rules' sources (spec fields)."""
+        return {name: value for name, value in self.args.items() if name not in RULES}
+
+    def keys_seen(self, rows: int) -> int | None:
+        """The most keys a block of `rows` query rows can see under the variants' bounds (a window),
+        or None where none bounds them."""
+        bounds = [d.keys_seen(self.args, rows) for d in REGISTRY if d.name in self.fields]
+        bounds = [keys for keys in bounds if keys is not None]
+        return min(bounds) if bounds else None
+
+    def __eq__(self, other) -> bool:  # (tensors compare by identity)
+        return isinstance(other, Variant) and self.args.keys() == other.args.keys() and all(
+            value is other.args[name] or (not hasattr(value, "shape") and value == other.args[name])
+            for name, value in self.args.items())
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"Variant({self.args!r})"
 
 
 PLAIN = Variant()
 
 
-def make(causal: bool, window_size, softcap, alibi_slopes, batch: int, heads: int, device, keys: int | None = None) -> Variant:
-    """Check a call's variant arguments (named in every error) and normalize them: causal caps the
-    window's right side at 0, and a window that bounds nothing is no window (causal alone, or
-    nothing). With `keys` (FlashAttention's seqlen_k: attention_with_kvcache's cache capacity), a
-    side of at least that many keys is unbounded, as FlashAttention makes it; so a window that
-    only such sides bound is no window (which decides where rotary turns q)."""
-    try:
-        left, right = (int(x) for x in window_size)
-        ok = len(tuple(window_size)) == 2 and all(int(x) == x for x in window_size)
-    except (TypeError, ValueError):
-        ok = False
-    if not ok or left < -1 or right < -1 or max(left, right) >= UNBOUNDED:
-        raise ValueError(
-            f"window_size={window_size!r}: must be (left, right), two ints >= -1 (-1 = unbounded) below {UNBOUNDED}"
-        )
-    if keys is not None:
-        left, right = clip_window((left, right), keys)
-    if causal:
-        right = 0
-        if left == -1:
-            right = -1  # causal alone: the causal mask, no window
-    softcap = float(softcap or 0.0)
-    if not (math.isfinite(softcap) and softcap >= 0):
-        raise ValueError(f"softcap={softcap}: must be a finite number >= 0 (0 = no soft-capping)")
-    if alibi_slopes is not None:
-        check_slopes(alibi_slopes, batch, heads, device)
-    return Variant(left, right, softcap, alibi_slopes is not None)
+def make(call: Call, **given) -> Variant:
+    """Check a call's variant keywords (each declaration's `keyword`; named in every error) and
+    normalize them into the op arguments of those that are on."""
+    args = {}
+    for declaration in REGISTRY:
+        if declaration.keyword in given:
+            found = declaration.check(given[declaration.keyword], call)
+            if found:
+                args.update(found)
+    return Variant(args)
 
 
 def clip_window(window_size, keys: int) -> tuple[int, int]:

@@ -111,8 +111,8 @@ def check_variant(q, cu_seqlens_q, max_seqlen_k, causal, window_size, softcap, a
     (flash_attn_varlen_func's rule)."""
     if alibi_slopes is None and not softcap and window_size == (-1, -1):  # one cheap test for plain calls
         return variants.PLAIN
-    return variants.make(causal, window_size, softcap, alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device,
-                         keys=max_seqlen_k)
+    return variants.make(variants.Call(causal, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device, keys=max_seqlen_k),
+                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
 
 
 def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, window_size=(-1, -1),
@@ -189,18 +189,16 @@ def attention_varlen(
     check_no_dropout(dropout_p)
     if block_table is not None and torch.compiler.is_compiling():  # one op; its checks run when it runs
         o, lse = ops.attention_varlen_paged_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
-                                        softmax_scale, causal, int(window_size[0]), int(window_size[1]), float(softcap),
-                                        alibi_slopes, return_lse)
+                                               softmax_scale, causal, return_lse, [int(side) for side in window_size],
+                                               float(softcap), alibi_slopes)  # (variants.KEYWORDS' order)
         return (o, lse) if return_lse else o
     chosen = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_size, softcap,
                           alibi_slopes, block_table)
     if block_table is not None:
         o, lse = ops.paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, bool(causal),
-                               inputs.softmax_scale(softmax_scale, q.shape[-1]), chosen, alibi_slopes, bool(return_lse))
+                                  inputs.softmax_scale(softmax_scale, q.shape[-1]), chosen, bool(return_lse))
         return (o, lse) if return_lse else o
-    variant = () if chosen == variants.PLAIN else (chosen.window_left, chosen.window_right, chosen.softcap, alibi_slopes, "", [],
-                                                   "", [])
     o, lse = ops.attention(q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
                            bool(causal), inputs.softmax_scale(softmax_scale, q.shape[-1]), "", bool(deterministic),
-                           need_lse=bool(return_lse), variant=variant)
+                           need_lse=bool(return_lse), variant=chosen.op_args())
     return (o, lse) if return_lse else o

@@ -408,11 +408,11 @@ def test_window_sides_of_at_least_the_capacity_are_unbounded():
     """FlashAttention's rule, in attention_with_kvcache's variants: such a side is -1, so a window
     of only such sides is no window (the plain kernel runs), and with causal it is causal alone."""
     cpu = torch.device("cpu")
-    make = lambda causal, window: variants.make(causal, window, 0.0, None, 1, 8, cpu, keys=100)  # noqa: E731
+    make = lambda causal, window, keys=100: variants.make(variants.Call(causal, 1, 8, cpu, keys), window_size=window)  # noqa: E731
     assert make(False, (-1, 100)) == make(False, (100, 250)) == variants.PLAIN
-    assert make(True, (100, -1)) == variants.PLAIN and make(True, (99, -1)).window_left == 99
-    assert (make(False, (99, 100)).window_left, make(False, (99, 100)).window_right) == (99, -1)
-    assert variants.make(False, (-1, 100), 0.0, None, 1, 8, cpu) != variants.PLAIN  # no keys: as given
+    assert make(True, (100, -1)) == variants.PLAIN and make(True, (99, -1)).args["window_left"] == 99
+    assert make(False, (99, 100)).args == {"window_left": 99, "window_right": -1}
+    assert make(False, (-1, 100), keys=None) != variants.PLAIN  # no keys: as given
     q = t(1, 1, 8, 64)
     assert serving._variant(q, False, (-1, 100), 0.0, None, 100).fields == ()
     assert serving._variant(q, False, (-1, 99), 0.0, None, 100).fields == ("window",)
@@ -643,9 +643,9 @@ def test_variant_decode_plan_packs_the_values_per_row(driver, stub_kernels, cpu_
     spec = plan.kernels[0].spec
     assert spec.kind == "decode_paged" and spec.variants == ("window", "softcap", "alibi")
     slopes = torch.ones(2, 8)
-    chosen = variants.Variant(100, 0, 7.0, True)
+    chosen = variants.Variant({"window_left": 100, "window_right": 0, "softcap": 7.0, "alibi_slopes": slopes})
     values = decode_values(splits=splits)
-    values.update(chosen.values(), alibi_slopes=slopes)
+    values.update(chosen.values())
     plan.run(-1, values)
     got = unpack(spec, driver.launches[0]["params"])
     assert (got["window_left"], got["window_right"]) == (100, 0) and got["softcap_scale"] == pytest.approx(0.125 / 7.0)
@@ -684,13 +684,13 @@ def test_rotary_and_cache_rows_are_packed(driver, stub_kernels, cpu_device):
 def test_paged_varlen_runs_the_decode_kernels_varlen_form(driver, stub_kernels, cpu_device):
     """attention_varlen over a block table: one decode_paged launch over the sequences (grid z), its
     rows sized by max_seqlen_q, the offsets read on the device, lse in the varlen layout."""
-    from flashgen import varlen, variants
+    from flashgen import variants
 
     q = torch.zeros(9, 32, 128, dtype=BF16)  # 32 query heads on 8 KV heads
     k_cache = torch.zeros(40, 16, 8, 128, dtype=BF16)
     cu_q, cu_k = torch.tensor([0, 3, 3, 9], dtype=torch.int32), torch.tensor([0, 100, 140, 500], dtype=torch.int32)
     table = torch.zeros(3, 40, dtype=torch.int32)
-    o, lse = ops.paged_varlen(q, k_cache, k_cache, cu_q, cu_k, 6, 500, table, True, 0.125, variants.PLAIN, None, True)
+    o, lse = ops.paged_varlen(q, k_cache, k_cache, cu_q, cu_k, 6, 500, table, True, 0.125, variants.PLAIN, True)
     assert o.shape == q.shape and lse.shape == (32, 9)
     (launch,) = driver.launches
     plan, splits = plans.decode(-1, 128, BF16, True, 6 * 4, 3, 8, 500, 0, (), "", True)
@@ -702,7 +702,7 @@ def test_paged_varlen_runs_the_decode_kernels_varlen_form(driver, stub_kernels, 
     assert (got["q_row"], got["q_head"]) == (32 * 128, 128)
     assert launch["grid"] == (splits, 8, 3)  # one row tile (24 rows) x splits, KV heads, sequences
     driver.launches.clear()
-    ops.paged_varlen(q, k_cache, k_cache, cu_q, cu_k, 4000, 500, table, True, 0.125, variants.PLAIN, None, True)
+    ops.paged_varlen(q, k_cache, k_cache, cu_q, cu_k, 4000, 500, table, True, 0.125, variants.PLAIN, True)
     assert unpack(spec, driver.launches[0]["params"])["seqlen_q"] == 9  # an inflated max_seqlen_q: at most total_q
 
 

@@ -141,9 +141,9 @@ def test_rule_tensors_on_another_device_are_refused():
     rule = rules.documents(torch.zeros(1, 8, dtype=torch.int32))
     q = torch.zeros(1, 1, 8, 64, device="meta")
     with pytest.raises(ValueError, match="mask_mod"):
-        call_variant(q, q, False, (-1, -1), 0.0, None, None, rule)
+        call_variant(q, q, False, mask_mod=rule)
     with pytest.raises(TypeError, match="score_mod"):
-        call_variant(q, q, False, (-1, -1), 0.0, None, lambda *x: x, None)
+        call_variant(q, q, False, score_mod=lambda *x: x)
 
 
 def test_block_mask_lists_are_kept_by_tensor_identity_and_version(monkeypatch):

@@ -118,11 +118,11 @@ def test_the_api_runs_a_window_of_only_such_sides_as_no_window():
     from flashgen.api import call_variant
 
     q, k = torch.zeros(1, 2, 11, 8), torch.zeros(1, 2, 4, 8)
-    assert call_variant(q, k, False, (4, 9), 0.0, None, None, None) == ()
-    assert call_variant(q, k, False, (3, 9), 0.0, None, None, None)[:2] == (3, -1)
+    assert call_variant(q, k, False, window_size=(4, 9)) == variants.PLAIN
+    assert call_variant(q, k, False, window_size=(3, 9)).args == {"window_left": 3, "window_right": -1}
     packed, cu = torch.zeros(11, 2, 8), torch.tensor([0, 11], dtype=torch.int32)
     assert varlen.check_variant(packed, cu, 10, False, (-1, 10), 0.0, None) == variants.PLAIN
-    assert varlen.check_variant(packed, cu, 10, False, (-1, 9), 0.0, None).window_right == 9
+    assert varlen.check_variant(packed, cu, 10, False, (-1, 9), 0.0, None).args["window_right"] == 9
 
 
 def test_the_varlen_oracle_clips_at_max_seqlen_k_not_each_sequence():

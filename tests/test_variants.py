@@ -15,8 +15,8 @@ from flashgen.spec import KernelSpec, SpecError
 from sweeps import group, sweep
 
 
-def make(causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, batch=2, heads=4):
-    return variants.make(causal, window_size, softcap, alibi_slopes, batch, heads, torch.device("cpu"))
+def make(causal=False, batch=2, heads=4, **keywords):
+    return variants.make(variants.Call(causal, batch, heads, torch.device("cpu")), **keywords)
 
 
 def test_plain_arguments_are_no_variant():
@@ -27,7 +27,7 @@ def test_plain_arguments_are_no_variant():
 
 def test_causal_caps_the_window_at_the_diagonal():
     chosen = make(causal=True, window_size=(128, 64))
-    assert (chosen.window_left, chosen.window_right) == (128, 0) and chosen.fields == ("window",)
+    assert chosen.args == {"window_left": 128, "window_right": 0} and chosen.fields == ("window",)
 
 
 def test_each_variant_sets_its_field():
@@ -63,8 +63,25 @@ def test_bad_slopes_are_refused_by_name(slopes, error):
         make(alibi_slopes=slopes)
 
 
-def test_slopes_per_batch_and_head_are_taken():
-    assert make(alibi_slopes=torch.ones(2, 4)).alibi
+def test_slopes_per_batch_and_head_are_taken_and_read_as_batch_and_head():
+    per_batch, per_head = torch.ones(2, 4), torch.ones(4)
+    assert make(alibi_slopes=per_batch).args["alibi_slopes"].shape == (2, 4)
+    assert make(alibi_slopes=per_head).args["alibi_slopes"].stride() == (0, 1)  # (sliced like q; one row of slopes)
+
+
+def test_every_variant_travels_through_the_ops_by_its_declared_arguments():
+    """The op schemas hold each declaration's arguments: a variant added to the registry reaches the
+    kernels with no op written anew."""
+    from flashgen import ops
+
+    schema = str(ops.attention_fwd._opoverload._schema)
+    for name, kind, _ in variants.OP_ARGS:
+        assert f"{kind} {name}" in schema
+    chosen = make(window_size=(5, 2), softcap=3.0, alibi_slopes=torch.ones(4))
+    assert variants.Variant.from_op_args(chosen.op_args()) == chosen
+    assert variants.Variant.from_op_args(variants.PLAIN_ARGS) == variants.PLAIN and variants.PLAIN.op_args() == ()
+    for keyword in variants.KEYWORDS:
+        assert keyword in str(ops.attention_with_kvcache_op._opoverload._schema)
 
 
 # ---- specs and code ----------------------------------------------------------------------------
