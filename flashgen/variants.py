@@ -249,8 +249,11 @@ class Variant:
 
     @classmethod
     def from_op_args(cls, values) -> Variant:
-        """From the ops' positional variant arguments (OP_ARGS' order)."""
-        return cls({name: value for (name, _, plain), value in zip(OP_ARGS, values) if not _off(value, plain)})
+        """From the ops' positional variant arguments (OP_ARGS' order): a declaration is on where
+        any of its arguments is not at its value when off (a window of (-1, 30) is on)."""
+        given = dict(zip((name for name, _, _ in OP_ARGS), values))
+        return cls({name: given[name] for d in REGISTRY if any(not _off(given[name], plain) for name, _, plain in d.op_args)
+                    for name, _, _ in d.op_args})
 
     def op_args(self) -> tuple:
         """The ops' positional variant arguments (OP_ARGS' order), those off at their plain values;
@@ -258,8 +261,10 @@ class Variant:
         return tuple(self.args.get(name, plain) for name, _, plain in OP_ARGS) if self.args else ()
 
     def values(self) -> dict:
-        """The kernels' named arguments: the op arguments, less the rules' sources (spec fields)."""
-        return {name: value for name, value in self.args.items() if name not in RULES}
+        """The kernels' named arguments: every op argument (those off at their values when off: a
+        parameter may read one, as a rule's unit reads the cap), less the rules' sources (spec
+        fields)."""
+        return {name: self.args.get(name, plain) for name, _, plain in OP_ARGS if name not in RULES}
 
     def keys_seen(self, rows: int) -> int | None:
         """The most keys a block of `rows` query rows can see under the variants' bounds (a window),

@@ -13,6 +13,7 @@ from flashgen.compile import compile_source
 from flashgen.render import render
 from flashgen.spec import KernelSpec, SpecError
 from sweeps import group, sweep
+from test_launch import driver, stub_kernels  # noqa: F401  (fixtures)
 
 
 def make(causal=False, batch=2, heads=4, **keywords):
@@ -277,3 +278,33 @@ def test_variant_kernels_compile_without_spills(spec):
     binary = compile_source(spec, render(spec))
     assert binary.resources.spills == 0 and binary.resources.stack_frame == 0, binary.log
     assert "serialized" not in binary.log, binary.log  # no wgmma made to wait for the one before it
+
+
+# ---- every call's variants reach the packers of the kernels they pick ------------------------------
+
+PREFIX = MaskMod("kv_idx < 3 || kv_idx <= q_idx", lambda b, h, q_idx, kv_idx: (kv_idx < 3) | (kv_idx <= q_idx),
+                 per_batch=False, per_head=False)
+CALLS = {
+    "window, one side": dict(window_size=(-1, 30)), "window, the other": dict(window_size=(40, -1)),
+    "softcap": dict(softcap=5.0), "alibi": dict(alibi_slopes=torch.ones(4)), "score rule alone": dict(score_mod=BIAS),
+    "mask rule with no tensors, and a window": dict(mask_mod=PREFIX, window_size=(50, 0)),
+    "everything": dict(window_size=(50, 7), softcap=5.0, alibi_slopes=torch.ones(2, 4), score_mod=BIAS, mask_mod=DOC),
+}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("keywords", CALLS.values(), ids=CALLS)
+def test_every_call_variant_reaches_the_packers_of_the_kernels_it_picks(driver, stub_kernels, monkeypatch, keywords, causal):
+    """What the GPU tier found once (every call of these failed): each kernel's packer finds every
+    named value its parameters read, a variant's value when off included (a score rule's unit reads
+    the cap), and a window with one unbounded side travels with both sides. sm_80's kernels (no
+    tensor maps), forward and backward, stubbed driver."""
+    from flashgen import api, ops, plans, runtime
+
+    monkeypatch.setitem(plans._arch, -1, "sm_80")
+    monkeypatch.setitem(runtime._contexts, None, None)  # (a block mask's launch names the CPU device by its index, None)
+    q = torch.zeros(2, 4, 100, 64, dtype=torch.bfloat16)
+    chosen = api.call_variant(q, q, causal, **keywords)
+    o, lse = ops.forward_impl(q, q, q, None, None, 0, causal, 0.125, "", True, *chosen.op_args())
+    ops.backward_impl(q, q, q, q, o, lse, None, None, None, 0, 0, causal, 0.125, True, "", *chosen.op_args())
+    assert len(driver.launches) >= 4  # forward, prep, the key-major and the query-major pass (and a block mask's)
