@@ -57,8 +57,8 @@ def softmax_scale(scale, head_dim: int) -> float:
 def attention(
     q, k, v, *, causal: bool = False, scale: float | None = None, return_lse: bool = False,
     deterministic: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-    alibi_slopes: torch.Tensor | None = None, score_mod: modifiers.ScoreMod | None = None,
-    mask_mod: modifiers.MaskMod | None = None,
+    alibi_slopes: torch.Tensor | None = None, learnable_sink: torch.Tensor | None = None,
+    score_mod: modifiers.ScoreMod | None = None, mask_mod: modifiers.MaskMod | None = None,
 ):
     """Exact softmax(q k^T * scale) v without materializing the scores; differentiable.
 
@@ -80,7 +80,12 @@ def attention(
     sets right to 0), and key
     tiles outside the window are never visited; softcap > 0 makes the scores
     softcap * tanh(s / softcap); alibi_slopes, fp32 of shape (H,) or (B, H), adds
-    -slope * |i' - j|. They combine, and all are differentiable (no gradient for the slopes).
+    -slope * |i' - j|; learnable_sink, fp32 of shape (H,) (gpt-oss' attention sinks), joins each
+    row's softmax denominator as one more logit that carries no value:
+    p_ij = exp(s_ij - m_i) / (exp(sink_h - m_i) + sum_j exp(s_ij - m_i)), m_i the max over the row's
+    scores and the sink (lse includes it; a row that sees no key gets 0 and lse = sink_h). They
+    combine, and all are differentiable: the sink gets its gradient
+    d sink_h = -sum_i P_sink,i * (dO_i . O_i), the slopes none.
 
     User rules (flashgen.ScoreMod, flashgen.MaskMod: a CUDA expression and its Python twin, compiled
     into the kernel): score_mod rewrites each score after the variants; mask_mod drops keys, and
@@ -88,7 +93,7 @@ def attention(
     that reads no tensor, per call otherwise). No gradient flows into a rule's tensors.
     """
     return call(q, k, v, causal, scale, return_lse, deterministic, window_size=window_size, softcap=softcap,
-                alibi_slopes=alibi_slopes, score_mod=score_mod, mask_mod=mask_mod)
+                alibi_slopes=alibi_slopes, learnable_sink=learnable_sink, score_mod=score_mod, mask_mod=mask_mod)
 
 
 def call_variant(q, k, causal, **keywords) -> variants.Variant:
@@ -110,15 +115,17 @@ def _with_neutral(spec: KernelSpec, chosen: variants.Variant, call: variants.Cal
 
 
 def call(q, k, v, causal, scale, return_lse, deterministic, spec: KernelSpec | None = None, *,
-         window_size=(-1, -1), softcap=0.0, alibi_slopes=None, score_mod=None, mask_mod=None):
+         window_size=(-1, -1), softcap=0.0, alibi_slopes=None, learnable_sink=None, score_mod=None, mask_mod=None):
     """attention() with, optionally, the forward kernel fixed to `spec` (a prebuilt kernel's):
     the one path every public entry point takes."""
     q, k, v = ops.autocast_inputs(q, k, v)
     check_inputs(q, k, v)
-    chosen = variants.PLAIN
-    if alibi_slopes is not None or softcap or window_size != (-1, -1) or score_mod is not None or mask_mod is not None:
-        chosen = call_variant(q, k, causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                              score_mod=score_mod, mask_mod=mask_mod)
+    chosen, given = variants.PLAIN, {}
+    if (alibi_slopes is not None or softcap or window_size != (-1, -1) or learnable_sink is not None or score_mod is not None
+            or mask_mod is not None or spec is not None):  # (one cheap test for plain calls)
+        given = {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes,
+                 "learnable_sink": learnable_sink, "score_mod": score_mod, "mask_mod": mask_mod}  # (flashgen.variants' keywords)
+        chosen = call_variant(q, k, causal, **given)
     kernel = ""
     if spec is not None:
         if q.shape[-1] != spec.head_dim or DTYPES[q.dtype] != spec.dtype:
@@ -126,8 +133,6 @@ def call(q, k, v, causal, scale, return_lse, deterministic, spec: KernelSpec | N
                 f"{spec.name} takes head_dim={spec.head_dim} {spec.dtype}; got head_dim="
                 f"{q.shape[-1]} {DTYPES[q.dtype]}"
             )
-        given = {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes, "score_mod": score_mod,
-                 "mask_mod": mask_mod}
         chosen = _with_neutral(spec, chosen, variants.Call(causal, q.shape[0], q.shape[1], q.device, k.shape[-2]), given)
         have = {d.name: getattr(spec, d.name) if d.rule else True for d in variants.on(spec)}
         wanted = dict(item if isinstance(item, tuple) else (item, True) for item in chosen.fields)

@@ -180,9 +180,16 @@ def _backward(ctx, d_o, d_lse, backward=attention_bwd, op=True):
         d_o = torch.zeros_like(o)
     dq, dk, dv = backward(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k,
                           ctx.causal, ctx.scale, ctx.deterministic, ctx.kernel, *ctx.variant)
-    # no gradient for the layout, the settings or the variant's arguments (the op's autograd wants a
-    # list for each list of tensors)
-    return dq, dk, dv, *[None] * 8, *([None] * len(a) if op and isinstance(a, list) else None for a in ctx.variant)
+    # the layout and the settings take no gradient; of the variant's arguments, a learned one's tensor
+    # (a sink) does, the others none (the op's autograd wants a list for each list of tensors)
+    grads = []
+    for (name, _, _), value in zip(variants.OP_ARGS, ctx.variant):
+        gradient = variants.GRADIENTS.get(name)
+        if gradient is not None and value is not None:
+            grads.append(gradient(value, o, d_o, lse, d_lse, cu_seqlens_q))
+        else:
+            grads.append([None] * len(value) if op and isinstance(value, list) else None)
+    return dq, dk, dv, *[None] * 8, *grads
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -25,7 +25,7 @@ NAIVE_Q, NAIVE_KV = ("batch", "heads", "seqlen_q", "head_dim"), ("batch", "heads
 
 
 def _checked(q, k, v, q_layout, kv_layout, names=("q", "k", "v"), *, batch=None, scale=None, scale_name="scale",
-             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, block_table=None):
+             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, block_table=None, learnable_sink=None):
     """The references' input checks. q_layout and kv_layout name the dimensions (the heads at
     "heads" and "heads_kv", head_dim last; "batch" in both: one batch size); batch is the number of
     sequences, which (batch, heads) slopes and a block_table's rows count (default: q's "batch").
@@ -91,6 +91,14 @@ def _checked(q, k, v, q_layout, kv_layout, names=("q", "k", "v"), *, batch=None,
             raise ValueError("alibi_slopes' last dimension must be contiguous (stride 1)")
         if alibi_slopes.device != q.device:
             raise ValueError(f"alibi_slopes is on {alibi_slopes.device}, the inputs on {q.device}: they must be on one device")
+    if learnable_sink is not None:
+        if not isinstance(learnable_sink, torch.Tensor):
+            raise TypeError(f"learnable_sink must be a torch.Tensor, got {type(learnable_sink).__name__}")
+        if learnable_sink.dtype != torch.float32 or tuple(learnable_sink.shape) != (heads,):
+            raise ValueError(f"learnable_sink must be a float32 tensor of shape ({heads},), one logit per query head; got "
+                             f"{learnable_sink.dtype} {tuple(learnable_sink.shape)}")
+        if learnable_sink.device != q.device:
+            raise ValueError(f"learnable_sink is on {learnable_sink.device}, the inputs on {q.device}: they must be on one device")
     return scale, (int(left), int(right)), softcap
 
 
@@ -167,7 +175,7 @@ def _masked(scores, causal, window_size):
 
 
 def naive_attention(q, k, v, causal=False, scale=None, upcast=True, *, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, score_mod=None, mask_mod=None, return_lse=False):
+                    alibi_slopes=None, score_mod=None, mask_mod=None, return_lse=False, learnable_sink=None):
     """softmax(q k^T * scale) v with the full score matrix: flashgen.attention in plain PyTorch, on
     any device. q (batch, heads, seqlen_q, head_dim), k and v (batch, heads_kv, seqlen_k, head_dim),
     heads a multiple of heads_kv, of one floating dtype. Returns out in q's dtype, and with
@@ -184,20 +192,23 @@ def naive_attention(q, k, v, causal=False, scale=None, upcast=True, *, window_si
     then the masks: causal, window_size=(left, right) (visible_in_window; as in flash_attn_func, a
     side of at least seqlen_k keys is unbounded), and mask_mod(b, h, q_idx, kv_idx) (True keeps).
     The rules are Python functions: a flashgen.ScoreMod or MaskMod's twin is its .python.
+    learnable_sink (heads,) fp32 joins each row's softmax as one more score that carries no value
+    (the softmax over the row's scores and the sink, the sink's column dropped); differentiable.
     """
     scale, window_size, softcap = _checked(q, k, v, NAIVE_Q, NAIVE_KV, scale=scale, window_size=window_size,
-                                           softcap=softcap, alibi_slopes=alibi_slopes)
+                                           softcap=softcap, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
     for name, rule in (("score_mod", score_mod), ("mask_mod", mask_mod)):
         if rule is not None and not callable(rule):
             raise TypeError(f"{name} must be a Python function (of a flashgen rule, its .python), got {type(rule).__name__}")
     o, lse = _attention(q, k, v, causal, scale, upcast, _clip_window(window_size, k.shape[-2]), softcap, alibi_slopes,
-                        score_mod, mask_mod)
+                        score_mod, mask_mod, learnable_sink)
     return (o, lse) if return_lse else o
 
 
 def _attention(q, k, v, causal, scale, upcast, window_size, softcap=0.0, alibi_slopes=None, score_mod=None,
-               mask_mod=None):
-    """naive_attention with the window as given (the serving oracles clip it at their own seqlen_k)."""
+               mask_mod=None, sink=None):
+    """naive_attention with the window as given (the serving oracles clip it at their own seqlen_k);
+    `sink` (heads,): each head's sink logit."""
     dtype = q.dtype
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     k, v = _expand_kv(q, k, v)
@@ -209,7 +220,11 @@ def _attention(q, k, v, causal, scale, upcast, window_size, softcap=0.0, alibi_s
     scores = _masked(scores, causal, window_size)
     if mask_mod is not None:
         scores = scores.masked_fill(~torch.as_tensor(mask_mod(*_positions(q, k)), device=q.device), -math.inf)
-    lse = torch.logsumexp(scores, dim=-1)
+    if sink is None:
+        lse = torch.logsumexp(scores, dim=-1)
+    else:  # one more column that carries no value
+        column = sink.float().view(*(1,) * (scores.dim() - 3), -1, 1, 1).expand(*scores.shape[:-1], 1)
+        lse = torch.logsumexp(torch.cat([scores, column], dim=-1), dim=-1)
     probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)  # a fully masked row: 0, not NaN
     o = torch.matmul(probs.to(v.dtype), v)
     return o.to(dtype), lse
@@ -364,7 +379,7 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, max_seqlen: int, name
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
                      causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                     return_lse=False, block_table=None, upcast=True):
+                     return_lse=False, block_table=None, learnable_sink=None, upcast=True):
     """flashgen.attention_varlen in plain PyTorch, on any device (the CPU included): naive
     attention of each sequence alone, bottom-right causal within it, and so the variants
     (naive_attention's: the window and ALiBi aligned to each sequence's own end; alibi_slopes
@@ -396,7 +411,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     kv_layout = ("num_blocks", "page_size", "heads_kv", "head_dim") if paged else ("total_k", "heads_kv", "head_dim")
     softmax_scale, window_size, softcap = _checked(
         q, k, v, ("total_q", "heads", "head_dim"), kv_layout, batch=batch, scale=softmax_scale, scale_name="softmax_scale",
-        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, block_table=block_table)
+        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, block_table=block_table,
+        learnable_sink=learnable_sink)
     window_size = _clip_window(window_size, max_seqlen_k)  # FlashAttention's: clipped at max_seqlen_k
     starts_q = check_cu_seqlens(cu_seqlens_q, q.shape[0], max_seqlen_q, "cu_seqlens_q")
     total_k = k.shape[0] if block_table is None else int(cu_seqlens_k[-1])  # paged: the offsets give lengths only
@@ -410,7 +426,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             positions = torch.arange(min(max(k1 - k0, 0), block_table.shape[1] * k.shape[1]), device=k.device)
             seq_k, seq_v = (_cache_rows(t, seq, positions, block_table).transpose(0, 1)[None] for t in (k, v))
         o, lse = _attention(seq_q, seq_k, seq_v, causal, softmax_scale, upcast, window_size, softcap,
-                            _slopes_of(alibi_slopes, seq))
+                            _slopes_of(alibi_slopes, seq), sink=learnable_sink)
         outs.append(o[0].transpose(0, 1))
         lses.append(lse[0])
     out, lse = torch.cat(outs), torch.cat(lses, dim=1)
@@ -467,15 +483,16 @@ def _cache_rows(cache, b, positions, block_table):
     return rows
 
 
-def _attend(q, keys, values, causal, scale, upcast, splits, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+def _attend(q, keys, values, causal, scale, upcast, splits, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+            sink=None):
     """One sequence: q (seqlen_q, heads, d) over keys/values (n, heads_kv, d) -> o (seqlen_q, heads,
-    d), lse (heads, seqlen_q), with the variants (alibi_slopes (heads,)). With splits > 1 the keys
-    are cut into that many runs whose states are merged by their log-sum-exp: the split-KV form of
-    the same result."""
+    d), lse (heads, seqlen_q), with the variants (alibi_slopes (heads,); sink (heads,)). With
+    splits > 1 the keys are cut into that many runs whose states are merged by their log-sum-exp:
+    the split-KV form of the same result, the sink merged once, as a state that holds no value."""
     q, keys, values = (t.transpose(0, 1)[None] for t in (q, keys, values))  # (1, heads, rows, d)
     n = keys.shape[2]
     if splits <= 1:
-        o, lse = _attention(q, keys, values, causal, scale, upcast, window_size, softcap, alibi_slopes)
+        o, lse = _attention(q, keys, values, causal, scale, upcast, window_size, softcap, alibi_slopes, sink=sink)
         return o[0].transpose(0, 1), lse[0]
     dtype = q.dtype
     k, v = _expand_kv(q, keys, values)
@@ -491,6 +508,8 @@ def _attend(q, keys, values, causal, scale, upcast, splits, window_size=(-1, -1)
         probs = torch.exp(part - torch.where(torch.isneginf(lse_s), 0.0, lse_s)[..., None])
         o_s = torch.matmul(probs.to(v.dtype), v[..., cols, :]).float()
         o, lse = merge_attention_states(o, lse, o_s, lse_s)
+    if sink is not None:
+        o, lse = merge_attention_states(o, lse, torch.zeros_like(o), sink.float().view(1, -1, 1).expand_as(lse))
     return o.to(dtype)[0].transpose(0, 1), lse[0]
 
 
@@ -516,7 +535,7 @@ def apply_rotary(x, cos, sin, positions, interleaved=True):
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                            cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                           return_softmax_lse=False, upcast=True):
+                           return_softmax_lse=False, learnable_sink=None, upcast=True):
     """flashgen.attention_with_kvcache in plain PyTorch, on any device (the tests run it on the
     CPU). Like the kernel it appends k and v into k_cache and v_cache in place (pass copies to keep
     the originals), with the kernel's rules for bad input: a length is clamped to [0, capacity], a
@@ -540,7 +559,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
     scale, window_size, softcap = _checked(
         q, k_cache, v_cache, q_layout, cache_layout, ("q", "k_cache", "v_cache"), scale=softmax_scale,
         scale_name="softmax_scale", window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-        block_table=block_table)
+        block_table=block_table, learnable_sink=learnable_sink)
     if (k is None) != (v is None):
         raise ValueError(f"k and v are appended together: got k {'None' if k is None else 'a tensor'} and v "
                          f"{'None' if v is None else 'a tensor'}")
@@ -580,7 +599,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
             new_keys.append(turned)
             keys, values = torch.cat([keys, turned.to(keys.device)]), torch.cat([values, v[b].to(values.device)])
         o, lse = _attend(queries, keys.to(q.device), values.to(q.device), causal, scale, upcast, num_splits, window_size,
-                         softcap, _slopes_of(alibi_slopes, b))
+                         softcap, _slopes_of(alibi_slopes, b), learnable_sink)
         outs.append(o)
         lses.append(lse)
     if k is not None:  # the appends, after every read

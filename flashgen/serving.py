@@ -83,13 +83,13 @@ def _well_formed(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_spli
     return block_table is not None, capacity, seqlen_new
 
 
-def _variant(q, causal, window_size, softcap, alibi_slopes, capacity: int) -> variants.Variant:
+def _variant(q, causal, window_size, softcap, alibi_slopes, capacity: int, learnable_sink=None) -> variants.Variant:
     """The call's variants, checked (flashgen.variants; slopes per query head, or per sequence and
     query head; window sides of at least the capacity unbounded, as FlashAttention makes them)."""
-    if alibi_slopes is None and not softcap and window_size == (-1, -1):  # one cheap test for plain calls
+    if alibi_slopes is None and not softcap and window_size == (-1, -1) and learnable_sink is None:  # (plain calls)
         return variants.PLAIN
     return variants.make(variants.Call(causal, q.shape[0], q.shape[2], q.device, keys=capacity), window_size=window_size,
-                         softcap=softcap, alibi_slopes=alibi_slopes)
+                         softcap=softcap, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
 
 
 def _check_cache_rows(batch: int, paged: bool, cache_batch_idx, cache_leftpad) -> None:
@@ -130,8 +130,8 @@ def _rotary_style(q, k, rotary_cos, rotary_sin, rotary_interleaved, capacity: in
 
 def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, causal=False,
                          window_size=(-1, -1), softcap=0.0, alibi_slopes=None, rotary_cos=None, rotary_sin=None,
-                         rotary_interleaved=True, cache_batch_idx=None,
-                         cache_leftpad=None) -> tuple[bool, int, int, variants.Variant, str]:
+                         rotary_interleaved=True, cache_batch_idx=None, cache_leftpad=None,
+                         learnable_sink=None) -> tuple[bool, int, int, variants.Variant, str]:
     """Raise a clear error for anything the decode kernels cannot take; returns (paged, capacity,
     seqlen_new, variant, rotary): whether the cache is paged, the keys one sequence's cache holds at
     most, the number of tokens appended, the call's variants, and the rotary embedding's style
@@ -139,7 +139,7 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
     common = rotary_cos is None and rotary_sin is None and cache_batch_idx is None and cache_leftpad is None
     found = _well_formed(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits) if common else None
     if found is not None:
-        return (*found, _variant(q, causal, window_size, softcap, alibi_slopes, found[1]), "")
+        return (*found, _variant(q, causal, window_size, softcap, alibi_slopes, found[1], learnable_sink), "")
     inputs.tensor("q", q, 4, "(batch, seqlen_q, heads, head_dim), like flash_attn_with_kvcache")
     paged = block_table is not None
     cache_layout = "(num_blocks, page_size, heads_kv, head_dim) with a block_table" if paged else "(batch, seqlen_cache, heads_kv, head_dim)"
@@ -200,7 +200,7 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
     inputs.grid("attention_with_kvcache", batch, kv_heads, "sequences", "key/value heads")
     _check_cache_rows(batch, paged, cache_batch_idx, cache_leftpad)
     rotary = _rotary_style(q, k, rotary_cos, rotary_sin, rotary_interleaved, capacity)
-    variant = _variant(q, causal, window_size, softcap, alibi_slopes, capacity)
+    variant = _variant(q, causal, window_size, softcap, alibi_slopes, capacity, learnable_sink)
     inputs.on_one_cuda_device("attention_with_kvcache", {
         "q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "block_table": block_table,
         "cache_batch_idx": cache_batch_idx, "cache_leftpad": cache_leftpad, "rotary_cos": rotary_cos, "rotary_sin": rotary_sin,
@@ -212,7 +212,7 @@ def attention_with_kvcache(
     q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
     cache_leftpad=None, block_table=None, softmax_scale=None, causal: bool = False,
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, rotary_interleaved: bool = True, alibi_slopes=None,
-    num_splits: int = 0, return_softmax_lse: bool = False,
+    num_splits: int = 0, return_softmax_lse: bool = False, *, learnable_sink=None,
 ):
     """Attention of q over a KV cache, appending new keys and values first: FlashAttention's
     `flash_attn_with_kvcache` (same names, layouts and semantics), for decoding and chunked prefill.
@@ -244,7 +244,9 @@ def attention_with_kvcache(
     no bound on that side, and so is a side of at least the capacity, as in FlashAttention; causal
     sets right to 0), and splits cover only the key tiles a block's windows see; softcap > 0 makes
     the scaled scores softcap * tanh(s / softcap); alibi_slopes, fp32 of shape (heads,) or (batch,
-    heads), adds -slope * |i' - j|. Their values are kernel arguments:
+    heads), adds -slope * |i' - j|; learnable_sink, fp32 (heads,), joins each row's softmax
+    denominator as a logit with no value (attention()'s; counted once across splits). Their values
+    are kernel arguments:
     a captured graph replays with the values it was captured with.
     softmax_scale defaults to 1/sqrt(head_dim). num_splits: how many blocks split each sequence's
     keys (split-KV); 0 chooses from the shapes and the GPU, never from the lengths, so one captured
@@ -270,11 +272,11 @@ def attention_with_kvcache(
         out, lse = ops.attention_with_kvcache_op(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, lengths, length, cache_batch_idx, cache_leftpad, block_table,
             softmax_scale, causal, rotary_interleaved, num_splits, return_softmax_lse,
-            [int(side) for side in window_size], float(softcap), alibi_slopes)  # (variants.KEYWORDS' order)
+            [int(side) for side in window_size], float(softcap), alibi_slopes, learnable_sink)  # (variants.KEYWORDS' order)
         return (out, lse) if return_softmax_lse else out
     paged, capacity, seqlen_new, variant, rotary = check_kvcache_inputs(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, causal, window_size, softcap, alibi_slopes,
-        rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx, cache_leftpad)
+        rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx, cache_leftpad, learnable_sink)
     out, lse = ops.kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, paged, capacity, seqlen_new,
                            inputs.softmax_scale(softmax_scale, q.shape[3]), causal, variant, rotary,
                            rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, num_splits, return_softmax_lse)

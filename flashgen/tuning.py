@@ -217,7 +217,8 @@ def takes(kind: str, variant: tuple) -> bool:
     """Whether kernels of `kind` build the variant (flashgen.families: the fields they use)."""
     from .families import family
 
-    return set(_names(variant)) <= set(family(kind).fields)
+    fields = family(kind).fields
+    return all(name in fields if name in variants.RULES else variants.builds(fields, kind, name) for name in _names(variant))
 
 
 def _first_valid(kind, head_dim, dtype, causal, arch, bucket="long", varlen=False, variant=()) -> KernelSpec:
@@ -230,7 +231,7 @@ def _first_valid(kind, head_dim, dtype, causal, arch, bucket="long", varlen=Fals
     error = None
     fields = variant_fields(variant)
     apart = {key: name in _names(variant) for key, name in variants.TUNING_KEYS.items()}
-    for tiles in candidates(kind, head_dim, dtype, causal, arch, bucket, varlen, bool(variant), **apart):
+    for tiles in candidates(kind, head_dim, dtype, causal, arch, bucket, varlen, variants.tiled_apart(variant), **apart):
         if varlen and tiles.get("persistent"):
             tiles = {**tiles, "persistent": False}  # the varlen Hopper forward runs one tile per CTA
         try:
@@ -289,6 +290,7 @@ def backward_kinds(head_dim: int, arch: str, deterministic: bool, variant: tuple
 def backward_specs(head_dim: int, dtype: str, causal: bool, arch: str, deterministic: bool, varlen: bool = False,
                    variant: tuple[str, ...] = ()) -> list[KernelSpec]:
     """The backward kernels to run after the prep, in order."""
+    variant = variants.for_backward(variant)
     kinds = backward_kinds(head_dim, arch, deterministic, variant)
     return [_first_valid(kind, head_dim, dtype, causal, arch, varlen=varlen, variant=variant) for kind in kinds]
 
@@ -353,7 +355,7 @@ def decode_spec(head_dim: int, dtype: str, arch: str, paged: bool, rows: int, va
     kind = "decode_paged" if paged else "decode"
     check_head_dim(head_dim)
     error = None
-    for tiles in candidates(kind, head_dim, dtype, False, arch, "*", variant=bool(variant)):
+    for tiles in candidates(kind, head_dim, dtype, False, arch, "*", variant=variants.tiled_apart(variant)):
         try:
             return KernelSpec(head_dim=head_dim, dtype=dtype, arch=arch, kind=kind, **{**tiles, "block_m": decode_block_m(rows)},
                               **variant_fields(variant), rotary=rotary, varlen=varlen)

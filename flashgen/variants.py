@@ -53,6 +53,15 @@ class Declaration:
     keys_seen:   (op arguments, query rows) -> the most keys a block of those rows sees, or None.
     keyword_schema: the keyword as a torch.library argument (for ops that take it as given and
                  check it when they run), or "" where it cannot travel so (a rule's object).
+    state:       it changes the softmax's state (the softmax piece's finish): a sink joins each
+                 row's denominator.
+    kinds:       the kernel kinds whose templates build it, where not every family that takes
+                 variants does (their `fields`); the others refuse it by name.
+    backward:    the backward's kernels have it (False: they see it only through the forward's lse).
+    plain_tiles: it takes the plain kernel's tiles: the tuning table's variant entries (smaller tiles,
+                 for the registers a variant takes in the per-element loops) are not for it.
+    gradient:    (its tensor, o, d_o, lse, d_lse, cu_seqlens_q or None) -> the gradient its tensor
+                 receives, from the forward's output and lse (a learned sink), or None.
     """
 
     name: str
@@ -74,6 +83,11 @@ class Declaration:
     neutral: Callable | None = field(default=None, repr=False)
     keys_seen: Callable = field(default=lambda args, rows: None, repr=False)
     keyword_schema: str = ""
+    state: bool = False
+    kinds: tuple[str, ...] | None = None
+    backward: bool = True
+    plain_tiles: bool = False
+    gradient: Callable | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -167,6 +181,51 @@ def _check_rule(kind: str):
     return check
 
 
+def _check_sink(sink, call: Call) -> dict | None:
+    """One logit per query head, fp32 (gpt-oss' sinks), read as (batch, heads): the plans slice it
+    like q, and its gradient comes back per batch and head (autograd sums it over the batch)."""
+    import torch  # here: the CLI imports this module and must not pay for torch
+
+    if sink is None:
+        return None
+    if not isinstance(sink, torch.Tensor):
+        raise TypeError(f"learnable_sink must be a torch.Tensor, got {type(sink).__name__}")
+    if sink.dtype != torch.float32:
+        raise TypeError(f"learnable_sink has dtype {sink.dtype}; it must be torch.float32 (one logit per query head)")
+    if tuple(sink.shape) != (call.heads,):
+        raise ValueError(f"learnable_sink has shape {tuple(sink.shape)}; it must be ({call.heads},): one logit per query head")
+    if sink.device != call.device:
+        raise ValueError(f"learnable_sink is on {sink.device}, the inputs on {call.device}: they must be on one device")
+    return {"learnable_sink": sink.expand(call.batch, call.heads)}
+
+
+def _sink_gradient(sink, o, d_o, lse, d_lse, cu_seqlens_q):
+    """d sink[b, h] = -sum over the rows i of (b, h) of P_sink,i (dO_i . O_i - dlse_i), P_sink,i =
+    exp(sink - lse_i): the sink's share of row i's softmax, which the row's output loses as the
+    sink grows (lse holds the sink; the kernels' gradients of q, k, v need nothing more). `sink`
+    is (batch, heads) (sequences, packed); fixed o is (batch, heads, seq, d), packed (total_q,
+    heads, d) with lse (heads, total_q)."""
+    import torch
+
+    delta = (d_o.float() * o.float()).sum(-1)
+    if cu_seqlens_q is None:
+        delta = delta if d_lse is None else delta - d_lse
+        return -(torch.exp(sink[..., None] - lse) * delta).sum(-1)
+    batch, total_q = sink.shape[0], o.shape[0]
+    sequence = torch.searchsorted(cu_seqlens_q[1:], torch.arange(total_q, device=o.device, dtype=cu_seqlens_q.dtype),
+                                  right=True)
+    inside = sequence < batch  # (rows past the last sequence's end belong to none: no kernel wrote them)
+    sequence = sequence.clamp_(max=batch - 1)
+    delta = delta.t() if d_lse is None else delta.t() - d_lse
+    rows = torch.where(inside, -(torch.exp(sink[sequence].t() - lse) * delta), 0.0)  # (heads, total_q)
+    return torch.zeros_like(sink, memory_format=torch.contiguous_format).index_add_(0, sequence, rows.t())
+
+
+def _sink_params(spec) -> list[Param]:
+    return [pointer("learnable_sink", "const float*"),
+            scalar("sink_batch_stride", "int", "learnable_sink.stride(0)")]  # (0: one logit per head for every batch)
+
+
 def _rule_params(kind: str):
     def params(spec) -> list[Param]:
         from .modifiers import kernel_tensors
@@ -188,6 +247,10 @@ REGISTRY: tuple[Declaration, ...] = (
                 op_args=(("softcap", "float", 0.0),), keyword_schema="float softcap"),
     Declaration("alibi", "alibi_slopes", ", ALiBi", score="positional", arguments=("alibi_slopes",), params=_alibi_params,
                 check=_check_alibi, op_args=(("alibi_slopes", "Tensor?", None),), keyword_schema="Tensor? alibi_slopes"),
+    Declaration("sink", "learnable_sink", ", attention sinks", state=True, registers=2, arguments=("learnable_sink",),
+                params=_sink_params, check=_check_sink, op_args=(("learnable_sink", "Tensor?", None),),
+                keyword_schema="Tensor? learnable_sink", kinds=("fwd", "fwd_sm90", "decode", "decode_paged"), backward=False,
+                plain_tiles=True, gradient=_sink_gradient),
     Declaration("score_mod", "score_mod", ", a user score rule", score="rule", grad=True, registers=48,
                 arguments=("score_mod_tensors",), params=_rule_params("score_mod"), rule=True, check=_check_rule("score_mod"),
                 op_args=(("score_mod", "str", ""), ("score_mod_tensors", "Tensor[]", []))),
@@ -197,6 +260,8 @@ REGISTRY: tuple[Declaration, ...] = (
 )
 BY_NAME = {declaration.name: declaration for declaration in REGISTRY}
 FIELDS = tuple(declaration.name for declaration in REGISTRY if not declaration.rule)  # what KernelSpec.variants holds
+# what every family that takes variants builds (its `fields`' default); the others name their kinds
+EVERYWHERE = tuple(declaration.name for declaration in REGISTRY if not declaration.rule and declaration.kinds is None)
 RULES = tuple(declaration.name for declaration in REGISTRY if declaration.rule)  # spec fields of their own (sources)
 # the kernels' named arguments: the variants' values, the rules' tensors and block masks
 # (flashgen.blockmask.BlockMasks: the tiles a mask rule leaves, per tile shape, made on first use)
@@ -205,9 +270,29 @@ TUNING_KEYS = {declaration.tuning_key: declaration.name for declaration in REGIS
 OP_ARGS = tuple(arg for declaration in REGISTRY for arg in declaration.op_args)  # the ops' variant arguments, in order
 OP_SCHEMA = ", ".join(f"{kind} {name}" for name, kind, _ in OP_ARGS)  # their torch.library schema
 PLAIN_ARGS = tuple(plain for _, _, plain in OP_ARGS)
+# a learned variant's op argument -> the gradient its tensor receives
+GRADIENTS = {d.op_args[0][0]: d.gradient for d in REGISTRY if d.gradient}
 # The variants an op may take as given (a keyword each, checked when the op runs), and their schema
 KEYWORDS = tuple(declaration.keyword for declaration in REGISTRY if declaration.keyword_schema)
 KEYWORD_SCHEMA = ", ".join(declaration.keyword_schema for declaration in REGISTRY if declaration.keyword_schema)
+
+
+def builds(fields, kind: str, name: str) -> bool:
+    """Whether a family of these `fields` builds variant `name` in kernels of `kind`."""
+    declaration = BY_NAME[name]
+    return name in fields if declaration.kinds is None else kind in declaration.kinds
+
+
+def tiled_apart(variant: tuple) -> bool:
+    """Whether a problem's variant (tuning.variant_fields' form) takes the tuning table's variant
+    tiles: any of its variants but those that take the plain kernel's."""
+    return any(not BY_NAME[item[0] if isinstance(item, tuple) else item].plain_tiles for item in variant)
+
+
+def for_backward(variant: tuple) -> tuple:
+    """A forward's variant (tuning.variant_fields' form) as its backward kernels have it: without
+    those they see only through the forward's lse (a sink)."""
+    return tuple(item for item in variant if BY_NAME[item[0] if isinstance(item, tuple) else item].backward)
 
 
 def on(spec) -> tuple[Declaration, ...]:

@@ -105,24 +105,25 @@ def _check_paged(q, k, v) -> None:
                          "torch.no_grad(), or with tensors that do not require grad")
 
 
-def check_variant(q, cu_seqlens_q, max_seqlen_k, causal, window_size, softcap, alibi_slopes) -> variants.Variant:
+def check_variant(q, cu_seqlens_q, max_seqlen_k, causal, window_size, softcap, alibi_slopes,
+                  learnable_sink=None) -> variants.Variant:
     """The call's variants, checked (flashgen.variants): slopes per query head, or per sequence
     (cu_seqlens_q's batch) and query head; window sides of at least max_seqlen_k unbounded
     (flash_attn_varlen_func's rule)."""
-    if alibi_slopes is None and not softcap and window_size == (-1, -1):  # one cheap test for plain calls
+    if alibi_slopes is None and not softcap and window_size == (-1, -1) and learnable_sink is None:  # (plain calls)
         return variants.PLAIN
     return variants.make(variants.Call(causal, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device, keys=max_seqlen_k),
-                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
 
 
 def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, window_size=(-1, -1),
-                 softcap=0.0, alibi_slopes=None, block_table=None) -> variants.Variant:
+                 softcap=0.0, alibi_slopes=None, block_table=None, learnable_sink=None) -> variants.Variant:
     """Raise a clear error for anything the kernels cannot take (nothing that needs a sync);
     returns the call's variants."""
     if block_table is None and _well_formed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-        return check_variant(q, cu_seqlens_q, max_seqlen_k, causal, window_size, softcap, alibi_slopes)
+        return check_variant(q, cu_seqlens_q, max_seqlen_k, causal, window_size, softcap, alibi_slopes, learnable_sink)
     check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=block_table)
-    variant = check_variant(q, cu_seqlens_q, max_seqlen_k, causal, window_size, softcap, alibi_slopes)
+    variant = check_variant(q, cu_seqlens_q, max_seqlen_k, causal, window_size, softcap, alibi_slopes, learnable_sink)
     if block_table is not None:
         _check_paged(q, k, v)
     inputs.on_one_cuda_device("attention_varlen", {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q,
@@ -140,7 +141,7 @@ def check_no_dropout(dropout_p) -> None:
 def attention_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p: float = 0.0, softmax_scale=None,
     causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None,
-    deterministic: bool = False, return_lse: bool = False, block_table=None,
+    deterministic: bool = False, return_lse: bool = False, block_table=None, *, learnable_sink=None,
 ):
     """Exact attention over a batch of sequences of different lengths, packed without padding;
     FlashAttention's flash_attn_varlen_func (names, layouts, semantics). Differentiable.
@@ -162,8 +163,9 @@ def attention_varlen(
     keys i' - left <= j <= i' + right (-1 = no bound on that side; causal sets right to 0), and key
     tiles outside the window are never visited; softcap > 0 makes the scaled scores
     softcap * tanh(s / softcap); alibi_slopes, fp32 of shape (heads,) or (batch, heads) (batch =
-    the sequence's index), adds -slope * |i' - j|. All are differentiable (no gradient for the
-    slopes). The arguments stand in flash_attn_varlen_func's order, dropout_p included, so calls
+    the sequence's index), adds -slope * |i' - j|; learnable_sink, fp32 (heads,), joins each row's
+    softmax denominator as a logit with no value (attention()'s). All are differentiable (the sink
+    gets its gradient, the slopes none). The arguments stand in flash_attn_varlen_func's order, dropout_p included, so calls
     swap whether they pass them by position or by name; there is no dropout (exact attention), so
     dropout_p must be 0.
 
@@ -190,10 +192,10 @@ def attention_varlen(
     if block_table is not None and torch.compiler.is_compiling():  # one op; its checks run when it runs
         o, lse = ops.attention_varlen_paged_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
                                                softmax_scale, causal, return_lse, [int(side) for side in window_size],
-                                               float(softcap), alibi_slopes)  # (variants.KEYWORDS' order)
+                                               float(softcap), alibi_slopes, learnable_sink)  # (variants.KEYWORDS' order)
         return (o, lse) if return_lse else o
     chosen = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_size, softcap,
-                          alibi_slopes, block_table)
+                          alibi_slopes, block_table, learnable_sink)
     if block_table is not None:
         o, lse = ops.paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, bool(causal),
                                   inputs.softmax_scale(softmax_scale, q.shape[-1]), chosen, bool(return_lse))

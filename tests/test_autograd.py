@@ -7,14 +7,14 @@ rule refuses the grid slices of more than 65,535 batches or heads."""
 import pytest
 import torch
 
-from flashgen import MaskMod, ScoreMod, inputs, ops, plans, tuning
+from flashgen import MaskMod, ScoreMod, inputs, ops, plans, tuning, variants
 from flashgen.kernels import Kernel
 
 
 @pytest.fixture
 def stand_ins(monkeypatch):
-    def forward(q, k, v, *args, **kwargs):
-        return q.detach().clone(), torch.zeros(q.shape[:-1])
+    def forward(q, k, v, *args, **kwargs):  # (lse in each layout's shape: (batch, heads, seq), or (heads, total))
+        return q.detach().clone(), torch.zeros(q.shape[:-1] if q.dim() == 4 else (q.shape[1], q.shape[0]))
 
     def backward(d_o, q, k, v, *args):
         return d_o.clone(), torch.zeros_like(k), torch.zeros_like(v)
@@ -50,7 +50,8 @@ def test_a_double_backward_is_refused_not_cut(stand_ins, call, shape):
 def test_a_variant_tensor_changed_in_place_before_the_backward_is_an_error(stand_ins, call, shape):
     q, k, v = leaves(*shape)
     slopes, table = torch.ones(1, 2), torch.zeros(4)
-    variant = (-1, -1, 0.0, slopes, "", [table], "", []) if call is attend else (-1, -1, 0.0, slopes, "", [], "", [])
+    named = {"alibi_slopes": slopes, **({"score_mod": "unused", "score_mod_tensors": [table]} if call is attend else {})}
+    variant = variants.Variant(named).op_args()  # (the ops' positional variant arguments)
     o, _ = call(q, k, v, variant)
     o.sum().backward(retain_graph=True)  # untouched: fine
     (slopes if call is attend_varlen else table).mul_(2)
@@ -91,3 +92,19 @@ def test_an_expanded_input_is_copied_for_the_kernels():
     assert inputs.aligned(packed).stride() == (4 * 64, 64, 1)
     view = torch.zeros(2, 64, 8, 64).transpose(1, 2)  # (B, T, H, d) seen as (B, H, T, d): in place
     assert inputs.aligned(view) is view
+
+
+@pytest.mark.parametrize("call, shape", [(attend, (2, 4, 5, 8)), (attend_varlen, (5, 4, 8))], ids=["attention", "varlen"])
+def test_a_sink_gets_its_gradient_from_the_forward_s_output_and_lse(stand_ins, call, shape):
+    """The kernels' backward needs nothing of a sink (the forward's lse holds it): its gradient is
+    variants' formula over the forward's output and lse, in the sink's slot of the op's inputs,
+    summed over the batch by autograd (the op takes it as (batch, heads))."""
+    q, k, v = leaves(*shape)
+    sink = torch.tensor([1.0, -2.0, 0.5, 3.0], requires_grad=True)
+    batch = q.shape[0] if call is attend else 1
+    o, lse = call(q, k, v, variants.Variant({"learnable_sink": sink.expand(batch, 4)}).op_args())
+    d_o = torch.randn(o.shape, generator=torch.Generator().manual_seed(1))
+    o.backward(d_o)
+    cu = None if call is attend else torch.tensor([0, q.shape[0]], dtype=torch.int32)
+    want = variants.GRADIENTS["learnable_sink"](sink.detach().expand(batch, 4), o.detach(), d_o, lse, None, cu).sum(0)
+    assert sink.grad is not None and torch.allclose(sink.grad, want)

@@ -15,21 +15,23 @@ from flashgen.reference import naive_attention
 
 
 def oracle_attention(q, k, v, *, causal=False, scale=None, return_lse=False, deterministic=False,
-                     window_size=(-1, -1), softcap=0.0):
-    return naive_attention(q, k, v, causal=causal, scale=scale, window_size=window_size, softcap=softcap)
+                     window_size=(-1, -1), softcap=0.0, learnable_sink=None):
+    return naive_attention(q, k, v, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
+                           learnable_sink=learnable_sink)
 
 
 def oracle_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None,
-                  causal=False, window_size=(-1, -1), softcap=0.0):
+                  causal=False, window_size=(-1, -1), softcap=0.0, learnable_sink=None):
     """attention_varlen's semantics with the variants: naive attention of each sequence alone."""
-    if (tuple(window_size), softcap) == ((-1, -1), 0.0):
+    if (tuple(window_size), softcap, learnable_sink) == ((-1, -1), 0.0, None):
         return reference.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                           softmax_scale=softmax_scale, causal=causal)
     starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     outs = []
     for b in range(len(starts_q) - 1):
         q_b, k_b, v_b = (t[s[b]:s[b + 1]].transpose(0, 1)[None] for t, s in ((q, starts_q), (k, starts_k), (v, starts_k)))
-        o = naive_attention(q_b, k_b, v_b, causal=causal, scale=softmax_scale, window_size=window_size, softcap=softcap)
+        o = naive_attention(q_b, k_b, v_b, causal=causal, scale=softmax_scale, window_size=window_size, softcap=softcap,
+                            learnable_sink=learnable_sink)
         outs.append(o[0].transpose(0, 1))
     return torch.cat(outs)
 
@@ -41,7 +43,7 @@ def oracle(monkeypatch):
     calls = []
 
     def varlen(*args, **kwargs):
-        calls.append((*args[3:7], {key: kwargs[key] for key in ("window_size", "softcap") if key in kwargs}))
+        calls.append((*args[3:7], {key: kwargs[key] for key in ("window_size", "softcap", "learnable_sink") if key in kwargs}))
         return oracle_varlen(*args, **kwargs)
 
     monkeypatch.setattr(hook, "_kernels", lambda: (oracle_attention, varlen))
@@ -321,3 +323,44 @@ def test_a_gemma2_generates_as_transformers_eager_does_with_a_cache(oracle, side
     assert torch.equal(ours.sequences, eager.sequences)
     for step, (a, b) in enumerate(zip(ours.logits, eager.logits)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"step {step}")
+
+
+# ---- a small random gpt-oss (attention sinks, alternating sliding-window layers) ---------------------
+
+
+def small_gpt_oss(attn_implementation):
+    """gpt-oss' attention, small: a learned sink per query head, sliding-window (8) and full layers
+    alternating, GQA (4 query heads on 2). The sinks are set far from 0 so that they matter."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    config = GptOssConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
+                          attn_implementation=attn_implementation)
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.tensor([2.0, -1.0, 0.5, 3.0]))
+    return model
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_a_gpt_oss_with_sinks_matches_transformers_eager_on_a_padded_batch(oracle, side):
+    """s_aux reaches the kernels as learnable_sink: logits and every gradient (the sinks' too) are
+    eager's, and without the sinks they would not be."""
+    pytest.importorskip("transformers")
+    name = hook.register()
+    ours, eager = small_gpt_oss(name), small_gpt_oss("eager")
+    batch = padded_batch(side)
+    logits, grads = logits_and_grads(ours, *batch)
+    ref_logits, ref_grads = logits_and_grads(eager, *batch)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads, ref_grads, rtol=1e-4, atol=1e-5)
+    sinks = [layer.self_attn.sinks.grad for layer in ours.model.layers]
+    assert all(grad is not None and grad.abs().max() > 0 for grad in sinks)
+    assert all("learnable_sink" in keywords for *_, keywords in oracle)
+    with torch.no_grad():
+        for layer in eager.model.layers:
+            layer.self_attn.sinks.fill_(-100.0)  # (no sink at all)
+    other, _ = logits_and_grads(eager, *batch)
+    assert (other - ref_logits).abs().max() > 1000 * 1e-5

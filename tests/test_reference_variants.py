@@ -7,6 +7,9 @@ import math
 import pytest
 import torch
 
+import flashgen
+from flashgen import reference, variants
+
 from flashgen.reference import naive_attention
 
 
@@ -162,3 +165,101 @@ def test_a_prebuilt_window_kernel_runs_a_window_clipped_away_at_tk(monkeypatch):
         api.call(q, k, k, True, None, False, False, spec)  # no window asked for at all
     with pytest.raises(ValueError, match="built for variants"):
         api.call(q, k, k, True, None, False, False, spec.replace(variants=()), window_size=(999, 0))
+
+
+# ---- attention sinks ------------------------------------------------------------------------------
+
+
+def by_hand_with_sink(q, k, v, sink, causal):
+    """softmax over the row's scores and the head's sink, the sink's column dropped (gpt-oss' eager)."""
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if causal:
+        seen = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril(k.shape[2] - q.shape[2])
+        scores = scores.masked_fill(~seen, -math.inf)
+    full = torch.cat([scores, sink.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
+    return full.softmax(-1)[..., :-1] @ v, full.logsumexp(-1)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_sink_joins_each_row_s_denominator_and_gets_its_gradient(causal):
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(2, 4, 6, 8, generator=gen), torch.randn(2, 2, 9, 8, generator=gen), torch.randn(2, 2, 9, 8, generator=gen)
+    sink = torch.tensor([2.0, -1.0, 0.0, 5.0], requires_grad=True)
+    out, lse = naive_attention(q, k, v, causal=causal, learnable_sink=sink, return_lse=True)
+    want, want_lse = by_hand_with_sink(q, k, v, sink.detach(), causal)
+    torch.testing.assert_close((out, lse), (want, want_lse), rtol=1e-5, atol=1e-5)
+    d_o = torch.randn(out.shape, generator=gen)
+    out.backward(d_o)
+    # the kernels' path: d sink = -sum_i exp(sink - lse_i) (dO_i . O_i), per batch and head, summed
+    formula = variants.GRADIENTS["learnable_sink"](sink.detach().expand(2, 4), out.detach(), d_o, lse.detach(), None, None)
+    torch.testing.assert_close(formula.sum(0), sink.grad, rtol=1e-5, atol=1e-6)
+    assert (lse >= sink.detach().view(1, -1, 1)).all()  # lse holds the sink
+
+
+def test_a_row_that_sees_no_key_gives_zero_and_the_sink_as_its_lse():
+    q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 0, 8)
+    sink = torch.tensor([1.5, -2.0])
+    out, lse = naive_attention(q, k, k, learnable_sink=sink, return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.equal(lse, sink.view(1, 2, 1).expand(1, 2, 3))
+
+
+def test_the_sink_gradient_of_packed_sequences_is_per_sequence_and_head():
+    """attention_varlen's path: rows of each sequence add into that sequence's (batch, head) entry;
+    rows past the last sequence (no kernel writes them) add nothing."""
+    gen = torch.Generator().manual_seed(6)
+    cu = torch.tensor([0, 3, 3, 8], dtype=torch.int32)
+    q, k, v = (torch.randn(9, 4, 8, generator=gen) for _ in range(3))  # (one row past the sequences)
+    sink = torch.tensor([0.5, 1.0, -1.0, 2.0], requires_grad=True)
+    out, lse = reference.attention_varlen(q[:8], k[:8], v[:8], cu, cu, 5, 5, causal=True, learnable_sink=sink, return_lse=True)
+    d_o = torch.randn(out.shape, generator=gen)
+    out.backward(d_o)
+    nan = torch.full((1, 4, 8), math.nan)  # (what an unwritten row may hold)
+    per_sequence = variants.GRADIENTS["learnable_sink"](
+        sink.detach().expand(3, 4), torch.cat([out.detach(), nan]), torch.cat([d_o, torch.zeros(1, 4, 8)]),
+        torch.cat([lse.detach(), torch.full((4, 1), math.nan)], dim=1), None, cu)
+    assert per_sequence.shape == (3, 4) and torch.equal(per_sequence[1], torch.zeros(4))  # the empty sequence
+    torch.testing.assert_close(per_sequence.sum(0), sink.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_split_cache_counts_the_sink_once():
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 3, 4, 8, generator=gen)
+    caches = [torch.randn(2, 64, 2, 8, generator=gen) for _ in range(2)]
+    sink = torch.tensor([1.0, 3.0, -2.0, 0.0])
+    whole, split = (reference.attention_with_kvcache(q, *(c.clone() for c in caches), cache_seqlens=40, causal=True,
+                                                     learnable_sink=sink, num_splits=n, return_softmax_lse=True) for n in (1, 5))
+    torch.testing.assert_close(whole, split, rtol=1e-5, atol=1e-5)
+    plain = reference.attention_with_kvcache(q, *(c.clone() for c in caches), cache_seqlens=40, causal=True,
+                                             return_softmax_lse=True)
+    torch.testing.assert_close(whole[1], torch.logaddexp(plain[1], sink.view(1, 4, 1)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sink, error, message", [
+    ([1.0] * 4, TypeError, "learnable_sink must be a torch.Tensor, got list"),
+    (torch.ones(4, dtype=torch.bfloat16), TypeError, "learnable_sink has dtype torch.bfloat16; it must be torch.float32"),
+    (torch.ones(2), ValueError, r"learnable_sink has shape \(2,\); it must be \(4,\): one logit per query head"),
+    (torch.ones(2, 4), ValueError, r"learnable_sink has shape \(2, 4\)"),
+])
+def test_a_bad_sink_is_refused_by_name(sink, error, message):
+    from flashgen.api import call_variant
+
+    q, k = torch.zeros(2, 4, 5, 8, dtype=torch.bfloat16), torch.zeros(2, 2, 5, 8, dtype=torch.bfloat16)
+    with pytest.raises(error, match=message):
+        call_variant(q, k, False, learnable_sink=sink)  # (attention()'s check of its variants; its device check comes first)
+    with pytest.raises((TypeError, ValueError), match="learnable_sink"):
+        naive_attention(q, k, k, learnable_sink=sink)  # (the oracle's own check)
+
+
+def test_sinks_run_on_the_plain_kernels_tiles_and_leave_the_backward_kernels_alone():
+    from flashgen import tuning
+
+    for head_dim, causal in ((64, False), (128, True), (256, False)):
+        plain = tuning.forward_spec(head_dim, "bf16", causal, "sm_90a", 4096)
+        sink = tuning.forward_spec(head_dim, "bf16", causal, "sm_90a", 4096, variant=("sink",))
+        assert sink == plain.replace(variants=("sink",))
+        for deterministic in (False, True):
+            assert tuning.backward_specs(head_dim, "bf16", causal, "sm_90a", deterministic, variant=("window", "sink")) == \
+                tuning.backward_specs(head_dim, "bf16", causal, "sm_90a", deterministic, variant=("window",))
+    with pytest.raises(flashgen.SpecError, match="a bwd_kvq kernel does not build sink"):
+        flashgen.KernelSpec(head_dim=64, kind="bwd_kvq", block_m=64, block_n=64, variants=("sink",))

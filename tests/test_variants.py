@@ -116,17 +116,38 @@ HOPPER = picks()[len(MMA_KINDS)]
 @pytest.mark.parametrize("spec", picks(), ids=lambda spec: spec.name)
 def test_a_plain_spec_renders_no_trace_of_the_variants(spec):
     source = render(spec)
-    for word in ("window_", "sliding", "softcap", "alibi", "tanh", "struct Score", "slope", "last_first"):
+    for word in ("window_", "sliding", "softcap", "alibi", "tanh", "struct Score", "slope", "last_first", "sink"):
         assert word not in source, word
 
 
 @pytest.mark.parametrize("which", range(len(picks())), ids=[spec.name for spec in picks()])
 def test_each_variant_renders_only_its_own_code(which):
-    window, softcap, alibi = (render(picks((field,))[which]) for field in variants.FIELDS)
+    window, softcap, alibi = (render(picks((field,))[which]) for field in ("window", "softcap", "alibi"))
     assert "int window_left, int window_right" in window and "tanh" not in window and "alibi" not in window
     assert "tanh.approx.f32" in softcap and "softcap_scale" in softcap and "window_" not in softcap and "alibi" not in softcap
     assert "alibi_slopes" in alibi and "tanh" not in alibi and "window_" not in alibi
     assert re.search(r"Mask mask\((seqlen_q|q_len), seqlen_k, window_left, window_right\);", window)  # (q_len: a decode kernel's)
+
+
+SINK_PICKS = [tuning.forward_spec(64, "bf16", True, "sm_90a", 4096, variant=("sink",)),
+              tuning.forward_spec(128, "bf16", False, "sm_90a", 4096, True, ("window", "sink")),  # (varlen)
+              tuning.forward_spec(64, "bf16", False, "sm_90a", 4096, variant=("sink",)),  # (persistent)
+              tuning.forward_spec(64, "bf16", True, "sm_90a", 64, variant=("sink",)),  # (mma.sync, short queries)
+              tuning.forward_spec(128, "fp16", True, "sm_80", 4096, variant=("alibi", "sink")),
+              tuning.decode_spec(128, "bf16", "sm_90a", False, 1, ("sink",)),
+              tuning.decode_spec(64, "bf16", "sm_90a", True, 40, ("window", "sink"), varlen=True)]
+
+
+@pytest.mark.parametrize("spec", SINK_PICKS, ids=lambda spec: spec.name)
+def test_a_sink_joins_the_softmax_finish_of_every_forward_and_the_split_merge(spec):
+    source = render(spec)
+    assert "const float* __restrict__ learnable_sink" in source and "int sink_batch_stride" in source
+    assert "sink_log2" in source and "fmaxf(shift, sink_log2)" in source  # the max takes the sink in first
+    if spec.kind.startswith("decode"):  # once across splits: in the finish when unsplit, else in the merge
+        assert "splits > 1 ? NEG_INF" in source and "total += fast_exp2((sink - mx) * LOG2E);" in source
+    else:
+        assert "softmax_finish(" in source and ", sink_log2);" in source
+    assert any(spec.persistent for spec in SINK_PICKS) and any(spec.varlen for spec in SINK_PICKS)
 
 
 def test_the_hopper_forward_scores_each_tile_and_masks_per_warpgroup():
@@ -184,7 +205,7 @@ def test_the_tables_fall_back_to_the_family_that_builds_the_variant():
         assert chosen.variants == (field,)
         assert chosen.kind == (hopper.kind if tuning.takes(hopper.kind, (field,)) else "fwd")
         for spec in tuning.backward_specs(128, "bf16", True, "sm_90a", False, variant=(field,)):
-            assert spec.variants == (field,)
+            assert spec.variants == ((field,) if variants.BY_NAME[field].backward else ())  # (a sink: the forward's lse holds it)
 
 
 @pytest.mark.parametrize("head_dim", tuning.TEST_HEAD_DIMS)
@@ -239,6 +260,8 @@ VARIANT_SPECS += list(dict.fromkeys(
     for spec in variant_picks("sm_90a", head_dim, causal, fields, varlen)
     if spec not in VARIANT_SPECS
 ))
+# Sinks on every family that builds them (the softmax finish of each forward, the decode merge).
+VARIANT_SPECS += [spec for spec in SINK_PICKS if spec not in VARIANT_SPECS]
 # The decode kernels with every variant on: contiguous and paged caches, both row counts.
 VARIANT_SPECS += list(dict.fromkeys(
     tuning.decode_spec(head_dim, "bf16", arch, paged, rows, ALL)
@@ -273,7 +296,8 @@ def test_the_sweep_holds_every_family_that_builds_variants():
     assert any(spec.persistent for spec in VARIANT_SPECS)
 
 
-@pytest.mark.parametrize("spec", sweep(VARIANT_SPECS, by=lambda spec: (*group(spec), bool(spec.score_mod or spec.mask_mod))))
+@pytest.mark.parametrize("spec", sweep(VARIANT_SPECS, by=lambda spec: (*group(spec), bool(spec.score_mod or spec.mask_mod),
+                                                                      "sink" in spec.variants)))
 def test_variant_kernels_compile_without_spills(spec):
     binary = compile_source(spec, render(spec))
     assert binary.resources.spills == 0 and binary.resources.stack_frame == 0, binary.log

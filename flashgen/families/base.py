@@ -74,7 +74,7 @@ class Family:
     kinds: tuple[str, ...] = ()
     template: str = ""
     # the spec fields the kernel's code depends on, and the variants (flashgen.variants) it builds
-    fields: tuple[str, ...] = (*(f for f in NAME_PARTS if f not in ("variants", "rotary")), *variants.FIELDS)
+    fields: tuple[str, ...] = (*(f for f in NAME_PARTS if f not in ("variants", "rotary")), *variants.EVERYWHERE)
     arguments: tuple[str, ...] = ()  # the launch's named arguments, from which parameters are computed
     forward = False  # a forward kernel: what attention() runs and `flashgen build` makes importable
     archs: tuple[str, ...] = ARCHS  # the targets it builds for
@@ -102,7 +102,7 @@ class Family:
                     f"{field}={getattr(spec, field)!r}: a {spec.kind} kernel does not use {field} "
                     f"(leave it at its default, {default!r})"
                 )
-        unbuilt = [name for name in spec.variants if name not in self.fields]
+        unbuilt = [name for name in spec.variants if not variants.builds(self.fields, spec.kind, name)]
         if unbuilt:
             raise SpecError(f"variants={spec.variants!r}: a {spec.kind} kernel does not build {', '.join(unbuilt)}")
         self.check(spec)
@@ -223,7 +223,7 @@ class MmaTiles(Family):
 
     owner = "block_m"
     fields = (*(field for field in NAME_PARTS if field not in ("persistent", "exp2_fma", "rotary", "variants")),  # one block per tile
-              *variants.FIELDS)
+              *variants.EVERYWHERE)
     max_accumulators = 192  # fp32 accumulators per thread that fit in 255 registers with room to spare
     builtins_free = False  # the family's tiles hold the built-in variants at no cost (a rule still costs)
 

@@ -53,7 +53,7 @@ def _occupancy(spec: KernelSpec, threads: int, smem: int) -> int:
 class DecodeAttention(Family):
     kinds = ("decode", "decode_paged")
     template = "attention_decode.cu.j2"
-    fields = ("head_dim", "block_m", "block_n", "dtype", "num_warps", "num_stages", "arch", "varlen", *variants.FIELDS,
+    fields = ("head_dim", "block_m", "block_n", "dtype", "num_warps", "num_stages", "arch", "varlen", *variants.EVERYWHERE,
               "rotary")
     # The tensors, and the sizes attention_with_kvcache has read once already (the packing then
     # reads no shape twice): a decode step's host cost is mostly Python.

@@ -56,7 +56,7 @@ class HopperForward(Family):
     archs, archs_need = HOPPER_ARCHS, HOPPER_NEEDS
     template = "attention_fwd_sm90.cu.j2"
     fields = ("head_dim", "block_m", "block_n", "dtype", "causal", "num_stages", "arch", "persistent", "exp2_fma", "varlen",
-              *variants.FIELDS, "score_mod", "mask_mod")
+              *variants.EVERYWHERE, "score_mod", "mask_mod")
     arguments = ("q", "k", "v", "o", "lse", "scale", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", *variants.ARGUMENTS)
     forward = True
     tune_space = {"block_m": (128, 192), "block_n": (64, 80, 96, 112, 128, 144, 160, 176), "num_stages": (2, 3),

@@ -105,7 +105,7 @@ class HopperBackward(Family):
     # up to 64 with block_m=64), computing P^T and dS^T in one pass after both score products. Mask
     # rules in both: each key tile walks the query tiles its block mask lists (per key tile), testing
     # the rule per element in partial ones.
-    fields = ("head_dim", "block_m", "block_n", "dtype", "causal", "num_stages", "arch", "varlen", *variants.FIELDS,
+    fields = ("head_dim", "block_m", "block_n", "dtype", "causal", "num_stages", "arch", "varlen", *variants.EVERYWHERE,
               "score_mod", "mask_mod")
     arguments = ("q", "k", "v", "d_o", "lse_log2", "delta", "dk", "dv", "dq_accum", "scale", "cu_seqlens_q", "cu_seqlens_k",
                  "max_seqlen_k", *variants.ARGUMENTS)

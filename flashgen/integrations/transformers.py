@@ -64,8 +64,6 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     attention, attention_varlen = _kernels()
     if dropout and module.training:
         raise ValueError(f"dropout={dropout}: flashgen has no attention dropout (set the config's attention_dropout to 0)")
-    if s_aux is not None:
-        raise ValueError("s_aux (attention sinks) is not supported by flashgen")
     if kwargs.get("output_attentions"):
         raise ValueError("output_attentions=True needs the probabilities, which flashgen never forms: use eager")
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -80,6 +78,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         options["window_size"] = (sliding_window - 1, 0 if is_causal else sliding_window - 1)
     if softcap:
         options["softcap"] = float(softcap)
+    if s_aux is not None:  # gpt-oss' attention sinks: a logit per query head, in the model's dtype
+        options["learnable_sink"] = s_aux.float()
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     position_ids = kwargs.get("position_ids")
