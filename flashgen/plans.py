@@ -17,11 +17,12 @@ import torch
 from . import kernels, tuning, workspace
 from .families import padded
 from .families.backward import padded_varlen
+from .axes import ELEMENT_TYPES
 from .families.decode import MAX_SPLITS
 from .kernels import Kernel
 from .spec import KernelSpec, SpecError, arch_for_capability
 
-DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+DTYPES = {getattr(torch, element.torch): name for name, element in ELEMENT_TYPES.items()}  # torch dtype -> the spec's
 
 
 @dataclass(frozen=True)

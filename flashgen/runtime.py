@@ -18,6 +18,7 @@ import threading
 
 import torch
 
+from .axes import ELEMENT_TYPES
 from .params import MAX_BYTES
 
 _MAX_DYNAMIC_SMEM, _SMEM_CARVEOUT = 8, 9  # CUfunction_attribute values
@@ -148,7 +149,8 @@ def device_context(device: int):
         _restore(lib, previous.value, device)
 
 
-_TENSOR_MAP_DTYPES = {torch.float16: 6, torch.float32: 7, torch.bfloat16: 9}  # CU_TENSOR_MAP_DATA_TYPE_*
+_TENSOR_MAP_DTYPES = {torch.float32: 7,  # CU_TENSOR_MAP_DATA_TYPE_* (the fp32 dQ sum's, and each element type's)
+                      **{getattr(torch, element.torch): element.tensor_map for element in ELEMENT_TYPES.values()}}
 _SWIZZLE_128B, _L2_PROMOTION_128B, _OOB_FILL_ZEROS = 3, 2, 0
 
 

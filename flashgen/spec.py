@@ -14,17 +14,12 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-DTYPES = ("fp16", "bf16")
-# Largest dynamic shared memory one block may opt in to, per target (CUDA programming guide).
-SMEM_LIMIT = {
-    "sm_80": 163 * 1024,
-    "sm_86": 99 * 1024,
-    "sm_87": 163 * 1024,
-    "sm_89": 99 * 1024,
-    "sm_90": 227 * 1024,
-    "sm_90a": 227 * 1024,
-}
-ARCHS = tuple(SMEM_LIMIT)
+from .axes import ELEMENT_TYPES, TARGETS
+
+DTYPES = tuple(ELEMENT_TYPES)
+# Largest dynamic shared memory one block may opt in to, per target (flashgen.axes.TARGETS).
+SMEM_LIMIT = {arch: target.smem_per_block for arch, target in TARGETS.items()}
+ARCHS = tuple(TARGETS)
 HEAD_DIM_RULE = "a multiple of 8 in [8, 256]"
 ROTARY_STYLES = ("interleaved", "halves")  # FlashAttention's rotary_interleaved True / False
 

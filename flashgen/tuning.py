@@ -213,6 +213,13 @@ def _names(variant: tuple) -> list[str]:
     return [item[0] if isinstance(item, tuple) else item for item in variant]
 
 
+def builds_for(kind: str, arch: str) -> bool:
+    """Whether kernels of `kind` build for target `arch` (its family's needs, flashgen.axes)."""
+    from .families import family
+
+    return arch in family(kind).archs
+
+
 def takes(kind: str, variant: tuple) -> bool:
     """Whether kernels of `kind` build the variant (flashgen.families: the fields they use)."""
     from .families import family
@@ -246,7 +253,7 @@ def forward_spec(head_dim: int, dtype: str, causal: bool, arch: str, seqlen_q: i
                  variant: tuple[str, ...] = ()) -> KernelSpec:
     """The forward kernel for a problem: the Hopper family on sm_90a, unless the query is short
     (varlen: the longest sequence's query) or the family does not build the variant."""
-    if arch == "sm_90a" and not query_bucket(seqlen_q) and takes("fwd_sm90", variant):
+    if builds_for("fwd_sm90", arch) and not query_bucket(seqlen_q) and takes("fwd_sm90", variant):
         try:
             return _first_valid("fwd_sm90", head_dim, dtype, causal, arch, "long", varlen, variant)
         except SpecError:
@@ -282,7 +289,7 @@ def tuned_spec(kind: str | None, head_dim: int, dtype: str, causal: bool, arch: 
 def backward_kinds(head_dim: int, arch: str, deterministic: bool, variant: tuple[str, ...] = ()) -> list[str]:
     """The kinds of the backward kernels that run after the prep, in order."""
     hopper = HOPPER_BACKWARD_KINDS[deterministic]
-    if arch == "sm_90a" and head_dim <= HOPPER_BACKWARD_HEAD_DIM and all(takes(k, variant) for k in hopper):
+    if all(builds_for(k, arch) for k in hopper) and head_dim <= HOPPER_BACKWARD_HEAD_DIM and all(takes(k, variant) for k in hopper):
         return hopper
     return BACKWARD_KINDS[(128 if head_dim <= 128 else 256, deterministic)]
 

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 from .. import variants
+from ..axes import TARGETS
 from ..params import Params, pointer, scalar, strides, tensor
 from ..smem import Region, SmemLayout
 from ..spec import KernelSpec, SpecError
@@ -152,7 +153,7 @@ class KeyMajorBackward(_BackwardTiles):
     def wgmma(spec: KernelSpec) -> bool:
         """Hopper's warpgroup MMA: on sm_90a, when warps own 16 keys each, so that 4 warps form a
         warpgroup over 64 keys. Its shared-memory tiles are stored as 8 x 8 core matrices."""
-        return spec.arch == "sm_90a" and spec.num_warps % 4 == 0 and spec.block_n // spec.num_warps == 16
+        return TARGETS[spec.arch].wgmma and spec.num_warps % 4 == 0 and spec.block_n // spec.num_warps == 16
 
     def accumulators(self, spec: KernelSpec) -> int:
         grads = self.grads(spec)

@@ -10,9 +10,11 @@ from __future__ import annotations
 import dataclasses
 
 from .. import __version__, modifiers, variants
+from .. import axes
+from ..axes import ELEMENT_TYPES
 from ..params import Params
 from ..smem import SmemLayout
-from ..spec import ARCHS, DEFAULTS, SMEM_LIMIT, KernelSpec, SpecError
+from ..spec import DEFAULTS, SMEM_LIMIT, KernelSpec, SpecError
 
 # How each field appears in a kernel name, in name order (the kind comes first).
 NAME_PARTS = {
@@ -77,8 +79,7 @@ class Family:
     fields: tuple[str, ...] = (*(f for f in NAME_PARTS if f not in ("variants", "rotary")), *variants.EVERYWHERE)
     arguments: tuple[str, ...] = ()  # the launch's named arguments, from which parameters are computed
     forward = False  # a forward kernel: what attention() runs and `flashgen build` makes importable
-    archs: tuple[str, ...] = ARCHS  # the targets it builds for
-    archs_need = ""  # what the other targets lack, said when refusing them
+    needs: tuple[str, ...] = ()  # the hardware its kernels use (flashgen.axes.Target's flags): it builds for the targets that have it
     needs_rule = False  # its specs carry a user rule's source (MaskMod), which only Python can give
     tune_space: dict[str, tuple] = {}  # the tile fields `flashgen tune` sweeps, and their values
     # Code choices `flashgen tune` then tries on the best few tile shapes, one field at a time (the
@@ -87,10 +88,15 @@ class Family:
 
     # ---- which specs ---------------------------------------------------------------------------
 
+    @property
+    def archs(self) -> tuple[str, ...]:
+        """The targets it builds for: those with what it needs."""
+        return axes.with_(*self.needs)
+
     def check_arch(self, kind: str, arch: str) -> None:
         """Raise SpecError naming the target(s) a kind needs unless it builds for `arch`."""
         if arch not in self.archs:
-            need = f" ({self.archs_need})" if self.archs_need else ""
+            need = f" ({', '.join(axes.CAPABILITIES[c] for c in self.needs)})" if self.needs else ""
             raise SpecError(f"arch={arch!r}: a {kind} kernel needs {' or '.join(self.archs)}{need}")
 
     def validate(self, spec: KernelSpec) -> None:
@@ -178,7 +184,9 @@ class Family:
             "version": __version__,
             "head_dim_pad": spec.head_dim_pad,
             "num_threads": self.threads(spec),
-            "ptx_type": {"fp16": "f16", "bf16": "bf16"}[spec.dtype],
+            "ptx_type": ELEMENT_TYPES[spec.dtype].ptx,
+            "elem_bytes": ELEMENT_TYPES[spec.dtype].bytes,
+            "elem_storage": ELEMENT_TYPES[spec.dtype].storage,
             "wgmma": False,
             "params": self.params(spec).signature(),
             **{name: name in spec.variants for name in variants.FIELDS},  # each variant's flag (templates' hooks)

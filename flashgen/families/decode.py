@@ -23,6 +23,7 @@ import functools
 from .. import variants
 from ..params import Param, Params, pointer, scalar, tensor
 from ..smem import Region, SmemLayout
+from ..axes import TARGETS
 from ..spec import SMEM_LIMIT, KernelSpec, SpecError
 from .base import Family, MmaTiles
 
@@ -72,10 +73,10 @@ class DecodeAttention(Family):
         return spec.block_m // 16
 
     def dependent_launch(self, spec: KernelSpec) -> bool:
-        """On sm_90a a programmatic dependent of the kernel before it (it waits for that grid
-        before reading anything), so that its launch overlaps that kernel's end: a decode step is
-        short enough (~10 us at 8k keys) to feel a launch's microsecond."""
-        return spec.arch == "sm_90a"
+        """Where the target has it, a programmatic dependent of the kernel before it (it waits for
+        that grid before reading anything), so that its launch overlaps that kernel's end: a decode
+        step is short enough (~10 us at 8k keys) to feel a launch's microsecond."""
+        return TARGETS[spec.arch].dependent_launch
 
     def warps_n(self, spec: KernelSpec) -> int:
         """Warps along the keys: they share rows and split each key tile between them."""

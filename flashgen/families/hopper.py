@@ -48,12 +48,12 @@ def _sm_count(t) -> int:
     return count
 
 
-HOPPER_ARCHS, HOPPER_NEEDS = ("sm_90a",), "TMA, wgmma, setmaxnreg"  # the Hopper families' target, and why
+HOPPER_NEEDS = ("tma", "wgmma", "setmaxnreg")  # what the Hopper families' kernels use (flashgen.axes)
 
 
 class HopperForward(Family):
     kinds = ("fwd_sm90",)
-    archs, archs_need = HOPPER_ARCHS, HOPPER_NEEDS
+    needs = HOPPER_NEEDS
     template = "attention_fwd_sm90.cu.j2"
     fields = ("head_dim", "block_m", "block_n", "dtype", "causal", "num_stages", "arch", "persistent", "exp2_fma", "varlen",
               *variants.EVERYWHERE, "score_mod", "mask_mod")

@@ -64,7 +64,7 @@ from ..spec import SMEM_LIMIT, KernelSpec, SpecError
 from .backward import STATS_PAD, padded_varlen
 from .base import Family, block_mask_lists, check_backward_rule, check_rules_fixed_length
 from .forward import PACKED, sequences
-from .hopper import HOPPER_ARCHS, HOPPER_NEEDS, tensor_map_helper
+from .hopper import HOPPER_NEEDS, tensor_map_helper
 
 # dQ tiles leave a warpgroup in pieces of 64 query rows x 64 head-dim columns, each staged as two
 # TMA boxes of 64 rows x 32 fp32 (128 bytes, the widest a 128-byte swizzle takes) and added into
@@ -95,7 +95,7 @@ def capped_first(spec: KernelSpec) -> bool:
 
 class HopperBackward(Family):
     kinds = ("bwd_sm90_kvq", "bwd_sm90_kv")
-    archs, archs_need = HOPPER_ARCHS, HOPPER_NEEDS
+    needs = HOPPER_NEEDS
     template = "attention_bwd_sm90.cu.j2"
     # Variants: sliding windows (the mask alone) in both layouts; softcap, ALiBi and score rules in the
     # split one (block_n=64), where the warpgroup that computes P^T applies the score piece and hands
