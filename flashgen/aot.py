@@ -191,9 +191,10 @@ class PrebuiltKernel:
         self.resources = Resources(**meta["resources"])
         self.smem_bytes = smem_bytes or spec.smem_bytes  # the most any of its kernels asks for, backward included
 
-    def __call__(self, q, k, v, *, scale: float | None = None, return_lse: bool = False,
-                 deterministic: bool = False, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
-                 learnable_sink=None):
+    def __call__(self, q, k, v, *, scale: float | None = None, return_lse: bool = False, deterministic: bool = False,
+                 **variants):
+        """flashgen.attention(q, k, v, causal=<the kernel's>, ...) on this kernel; `variants` are
+        attention()'s variant keywords, and must be the ones it was built for."""
         from .api import call
 
         if getattr(q, "is_cuda", False):
@@ -211,8 +212,7 @@ class PrebuiltKernel:
                     f"this GPU ({q.device}, {target}) allows {SMEM_LIMIT[target] // 1024} KiB: build it with "
                     f"`flashgen build --arch {target}`"
                 )
-        return call(q, k, v, self.spec.causal, scale, return_lse, deterministic, spec=self.spec,
-                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
+        return call(q, k, v, self.spec.causal, scale, return_lse, deterministic, spec=self.spec, **variants)
 
     def __repr__(self) -> str:
         return f"PrebuiltKernel({self.spec.name}, {self.path})"
