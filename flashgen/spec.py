@@ -39,11 +39,11 @@ def arch_for_capability(major: int, minor: int) -> str:
     return arch
 
 
-def check_head_dim(head_dim) -> None:
+def check_head_dim(head_dim, field: str = "head_dim") -> None:
     """The head dims every family takes (the input check and the CLI use it too)."""
-    check_int("head_dim", head_dim)
+    check_int(field, head_dim)
     if head_dim % 8 or not 8 <= head_dim <= 256:
-        raise SpecError(f"head_dim={head_dim}: must be {HEAD_DIM_RULE}")
+        raise SpecError(f"{field}={head_dim}: must be {HEAD_DIM_RULE}")
 
 
 def check_modifier(field: str, source) -> None:
@@ -70,7 +70,9 @@ class KernelSpec:
     fields a kernel uses depends on its kind (see its family in flashgen.families); the others
     stay at their defaults.
 
-    head_dim:   d of q, k and v; a multiple of 8 from 8 to 256 (padded to 16 inside the kernel).
+    head_dim:   d of q and k (and of v unless head_dim_v says otherwise); a multiple of 8 from 8 to
+                256 (padded to 16 inside the kernel).
+    head_dim_v: d of v and of the output when it differs from q's (DeepSeek's 192 / 128, say); 0 = head_dim.
     block_m:    query rows per block (fwd, bwd_q) or per step (key-major backward); a multiple of 16.
     block_n:    key rows per step (fwd, bwd_q) or per block (key-major backward); a multiple of 16.
     dtype:      "fp16" or "bf16" for q, k, v and o; accumulation is always fp32.
@@ -100,6 +102,7 @@ class KernelSpec:
     """
 
     head_dim: int
+    head_dim_v: int = 0
     block_m: int = 128
     block_n: int = 64
     dtype: str = "bf16"
@@ -121,6 +124,10 @@ class KernelSpec:
         from .families import KINDS
 
         check_head_dim(self.head_dim)
+        if self.head_dim_v:
+            check_head_dim(self.head_dim_v, "head_dim_v")
+            if self.head_dim_v == self.head_dim:  # one kernel, one name, for one shape
+                object.__setattr__(self, "head_dim_v", 0)
         for field in ("block_m", "block_n", "num_warps", "num_stages", "exp2_fma"):
             check_int(field, getattr(self, field))
         if self.kind not in KINDS:
@@ -155,6 +162,15 @@ class KernelSpec:
     def head_dim_pad(self) -> int:
         """head_dim rounded up to the mma k-step of 16; the pad columns are zero-filled."""
         return -(-self.head_dim // 16) * 16
+
+    @property
+    def d_v(self) -> int:
+        """V's head dim (and the output's)."""
+        return self.head_dim_v or self.head_dim
+
+    @property
+    def d_v_pad(self) -> int:
+        return -(-self.d_v // 16) * 16
 
     @property
     def num_threads(self) -> int:

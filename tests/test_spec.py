@@ -118,6 +118,7 @@ ALTERNATIVE = {
     "persistent": True,
     "exp2_fma": 3,
     "varlen": True,
+    "head_dim_v": 32,
     "variants": ("window",),
     "score_mod": '{"cuda":"score * 2.f","grad":"2.f","tensors":[]}',
     "mask_mod": '{"cuda":"q_idx >= kv_idx","per_batch":false,"per_head":false,"tensors":[]}',

@@ -19,6 +19,7 @@ from ..spec import DEFAULTS, SMEM_LIMIT, KernelSpec, SpecError
 # How each field appears in a kernel name, in name order (the kind comes first).
 NAME_PARTS = {
     "head_dim": "d{}",
+    "head_dim_v": "v{}",  # or nothing when V has q's head dim
     "block_m": "m{}",
     "block_n": "n{}",
     "dtype": "{}",
@@ -136,7 +137,7 @@ class Family:
                     parts += [field] if value else []
                 elif field == "variants":
                     parts += list(value)
-                elif field == "exp2_fma":
+                elif field in ("exp2_fma", "head_dim_v"):
                     parts += [form.format(value)] if value else []
                 elif field == "rotary":
                     parts += [f"rope_{value}"] if value else []
@@ -183,6 +184,8 @@ class Family:
             "name": spec.name,
             "version": __version__,
             "head_dim_pad": spec.head_dim_pad,
+            "d_v": spec.d_v,  # V's head dim and the output's (head_dim unless the spec's head_dim_v says otherwise)
+            "d_v_pad": spec.d_v_pad,
             "num_threads": self.threads(spec),
             "ptx_type": ELEMENT_TYPES[spec.dtype].ptx,
             "elem_bytes": ELEMENT_TYPES[spec.dtype].bytes,
