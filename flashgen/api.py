@@ -17,15 +17,16 @@ def _well_formed(q, k, v) -> bool:
     """The per-call fast path of check_inputs: True when nothing is wrong."""
     if not type(q) is type(k) is type(v) is torch.Tensor:
         return False
-    q_shape, k_shape, dtype = q.shape, k.shape, q.dtype  # each attribute read once: they cost
-    if len(q_shape) != 4 or len(k_shape) != 4:
+    q_shape, k_shape, v_shape, dtype = q.shape, k.shape, v.shape, q.dtype  # each attribute read once: they cost
+    if len(q_shape) != 4 or len(k_shape) != 4 or len(v_shape) != 4:
         return False
     batch, heads, _, head_dim = q_shape
     kv_batch, kv_heads, _, kv_dim = k_shape
+    v_dim = v_shape[3]  # V may have a head dim of its own
     return (
-        dtype in DTYPES and dtype == k.dtype == v.dtype and v.shape == k_shape
+        dtype in DTYPES and dtype == k.dtype == v.dtype and v_shape[:3] == k_shape[:3]
         and kv_batch == batch and kv_dim == head_dim and kv_heads and not heads % kv_heads
-        and not head_dim % 8 and 8 <= head_dim <= 256
+        and not head_dim % 8 and 8 <= head_dim <= 256 and (v_dim == head_dim or (not v_dim % 8 and 8 <= v_dim <= 256))
         and q.stride()[3] == 1 and k.stride()[3] == 1 and v.stride()[3] == 1  # cheaper than stride(-1)
         and q.is_cuda and q.get_device() == k.get_device() == v.get_device()  # ints: no device objects
     )
@@ -44,8 +45,7 @@ def check_inputs(q, k, v) -> None:
     inputs.same("number of heads", {"k": k.shape[1], "v": v.shape[1]})
     inputs.query_groups(q.shape[1], k.shape[1])
     inputs.same("sequence length", {"k": k.shape[2], "v": v.shape[2]})
-    inputs.same("head_dim", {name: t.shape[3] for name, t in named.items()})
-    inputs.head_dim(q.shape[3])
+    inputs.head_dims(q.shape[3], k.shape[3], v.shape[3])
     inputs.last_dim_contiguous(named)
     inputs.on_one_cuda_device("attention", named)
 
@@ -62,9 +62,10 @@ def attention(
 ):
     """Exact softmax(q k^T * scale) v without materializing the scores; differentiable.
 
-    q: (B, H, Tq, d); k, v: (B, H_kv, Tk, d) with H a multiple of H_kv (GQA/MQA), float16 or
-    bfloat16 on one CUDA device; any strides with the last dimension contiguous. d is a multiple
-    of 8 up to 256. causal=True masks bottom-right aligned: query i sees key j iff
+    q, k: (B, H, Tq, d), (B, H_kv, Tk, d); v: (B, H_kv, Tk, d_v), with H a multiple of H_kv (GQA/MQA),
+    float16 or bfloat16 on one CUDA device; any strides with the last dimension contiguous. d and
+    d_v are multiples of 8 up to 256; v may have a head dim of its own (d_v != d: DeepSeek's 192 / 128
+    in prefill and training), and the output then has d_v. causal=True masks bottom-right aligned: query i sees key j iff
     j <= i + Tk - Tq (SDPA's is_causal when Tq == Tk); a query that sees no key gets 0.
     Under torch.autocast, floating inputs (but fp64) are cast to the autocast dtype first, as SDPA does.
     scale defaults to 1/sqrt(d). With return_lse=True also returns the (B, H, Tq) fp32
@@ -128,11 +129,9 @@ def call(q, k, v, causal, scale, return_lse, deterministic, spec: KernelSpec | N
         chosen = call_variant(q, k, causal, **given)
     kernel = ""
     if spec is not None:
-        if q.shape[-1] != spec.head_dim or DTYPES[q.dtype] != spec.dtype:
-            raise ValueError(
-                f"{spec.name} takes head_dim={spec.head_dim} {spec.dtype}; got head_dim="
-                f"{q.shape[-1]} {DTYPES[q.dtype]}"
-            )
+        if q.shape[-1] != spec.head_dim or v.shape[-1] != spec.d_v or DTYPES[q.dtype] != spec.dtype:
+            given = f"head_dim={q.shape[-1]}" + (f", head_dim_v={v.shape[-1]}" if v.shape[-1] != q.shape[-1] else "")
+            raise ValueError(f"{spec.name} takes {spec.dims_text} {spec.dtype}; got {given} {DTYPES[q.dtype]}")
         chosen = _with_neutral(spec, chosen, variants.Call(causal, q.shape[0], q.shape[1], q.device, k.shape[-2]), given)
         have = {d.name: getattr(spec, d.name) if d.rule else True for d in variants.on(spec)}
         wanted = dict(item if isinstance(item, tuple) else (item, True) for item in chosen.fields)

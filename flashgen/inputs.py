@@ -50,6 +50,17 @@ def head_dim(value: int, where: str = "") -> None:
         raise ValueError(f"head_dim={value}{f' ({where})' if where else ''} is not supported: it must be {HEAD_DIM_RULE}")
 
 
+def head_dims(q_dim: int, k_dim: int, v_dim: int, v_own: str = "") -> None:
+    """q and k share a head dim; v may have one of its own (DeepSeek's 192 / 128, say), which the
+    output takes, unless `v_own` names the function that does not take one."""
+    same("head_dim", {"q": q_dim, "k": k_dim})
+    head_dim(q_dim)
+    if v_dim != q_dim:
+        if v_own:
+            raise ValueError(f"v has head_dim={v_dim} and q {q_dim}: {v_own} takes v with q's head dim")
+        head_dim(v_dim, "v")
+
+
 def same(what: str, named: dict) -> None:
     """The values (name: value) are equal: `what` says which quantity (a shape's dimension)."""
     if len(set(named.values())) > 1:

@@ -71,6 +71,16 @@ def side_tensors(variant) -> list[torch.Tensor]:
 # ---- fixed and packed: the differentiable op pair ----------------------------------------------------
 
 
+def output_like(q, v):
+    """The output: q's layout, with V's head dim."""
+    return torch.empty_like(q) if v.shape[-1] == q.shape[-1] else q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+def grad_v_like(k, v):
+    """dV, allocated like k (the kernels take dK's strides for it) unless V has a head dim of its own."""
+    return torch.empty_like(k) if v.shape == k.shape else k.new_empty(v.shape)
+
+
 def forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, causal: bool, scale: float, kernel: str,
                  need_lse: bool = True, *variant, backward=None):
     """(o, lse) by the forward plan: o like q; lse (batch, heads, seq) fixed, (heads, total_q)
@@ -85,7 +95,8 @@ def forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, causal:
     else:
         batch, heads, seqlen_q, head_dim = q.shape
         lse_shape, keys = (batch, heads, seqlen_q), k.shape[2]
-    o = torch.empty_like(q)
+    head_dim_v = v.shape[-1] if v.shape[-1] != head_dim else 0  # V's head dim where it has its own
+    o = output_like(q, v)
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if need_lse else None
     if o.numel() == 0:
         return o, lse
@@ -100,8 +111,9 @@ def forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, causal:
         fields, more = variant_values(q, k, causal, *variant)
         values.update(more)
     if backward is not None:
-        plans.warm_backward(device, head_dim, q.dtype, causal, backward, kernel, fields, varlen=packed)
-    plan = (plans.forward_varlen if packed else plans.forward)(device, head_dim, q.dtype, causal, seqlen_q, kernel, fields)
+        plans.warm_backward(device, head_dim, q.dtype, causal, backward, kernel, fields, varlen=packed, head_dim_v=head_dim_v)
+    plan = (plans.forward_varlen if packed else plans.forward)(device, head_dim, q.dtype, causal, seqlen_q, kernel, fields,
+                                                               head_dim_v=head_dim_v)
     plan.run(device, values)
     return o, lse
 
@@ -110,7 +122,7 @@ def backward_impl(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, max_s
                   causal: bool, scale: float, deterministic: bool, kernel: str = "", *variant):
     """(dq, dk, dv) from the forward's inputs, output and log-sum-exp; P is recomputed. `kernel`
     is the forward's spec (canonical text, or ""): the backward compiles for its target."""
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), grad_v_like(k, v)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     device = q.get_device()
@@ -125,8 +137,9 @@ def backward_impl(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, max_s
     if variant and variant != PLAIN_ARGS:
         fields, more = variant_values(q, k, causal, *variant)
         values.update(more)
+    head_dim_v = v.shape[-1] if v.shape[-1] != q.shape[-1] else 0
     plan = (plans.backward_varlen if packed else plans.backward)(device, q.shape[-1], q.dtype, causal, deterministic, kernel,
-                                                                 fields)
+                                                                 fields, head_dim_v=head_dim_v)
     plan.run(device, values)
     return dq, dk, dv
 
@@ -144,7 +157,7 @@ def attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
 @attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, cu_seqlens_q, *args):
     lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else q.shape[:3]
-    return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
+    return output_like(q, v), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 @torch.library.custom_op("flashgen::attention_bwd", mutates_args=(), device_types="cuda", schema=(
@@ -159,8 +172,8 @@ def attention_bwd(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, max_s
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(d_o, q, k, *args):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
+def _attention_bwd_fake(d_o, q, k, v, *args):
+    return torch.empty_like(q), torch.empty_like(k), grad_v_like(k, v)
 
 
 def _setup_context(ctx, inputs, output):

@@ -150,14 +150,15 @@ def device_arch(device: int) -> str:
 
 
 def forward(device: int, head_dim: int, dtype: torch.dtype, causal: bool, seqlen_q: int, spec: str,
-            variant: tuple[str, ...] = ()) -> Plan:
+            variant: tuple[str, ...] = (), head_dim_v: int = 0) -> Plan:
     """The forward's plan: the kernel `spec` names (its canonical text), or the tables' choice;
-    `variant` names the variant fields the kernel has (flashgen.variants)."""
-    key = ("fwd", device, head_dim, dtype, causal, tuning.query_bucket(seqlen_q), spec, variant)
+    `variant` names the variant fields the kernel has (flashgen.variants); head_dim_v: V's head dim
+    where it differs from q's (0: the same)."""
+    key = ("fwd", device, head_dim, head_dim_v, dtype, causal, tuning.query_bucket(seqlen_q), spec, variant)
     plan = _plans.get(key)
     if plan is None:
         chosen = KernelSpec.from_json(spec) if spec else tuning.forward_spec(
-            head_dim, DTYPES[dtype], causal, device_arch(device), seqlen_q, variant=variant
+            head_dim, DTYPES[dtype], causal, device_arch(device), seqlen_q, variant=variant, head_dim_v=head_dim_v
         )
         plan = _plans[key] = Plan((Launch(kernels.get(chosen)),))
     return plan
@@ -181,27 +182,31 @@ def _sum_dq(specs: list[KernelSpec], scratch: list, steps: list) -> None:
 
 
 def _backward_kernels(device: int, head_dim: int, dtype: torch.dtype, causal: bool, deterministic: bool,
-                      forward_spec: str, variant: tuple, varlen: bool = False) -> tuple[KernelSpec, list[KernelSpec]]:
-    """The backward's prep and its kernels (the tables' choice) for the forward's target."""
+                      forward_spec: str, variant: tuple, varlen: bool = False,
+                      head_dim_v: int = 0) -> tuple[KernelSpec, list[KernelSpec]]:
+    """The backward's prep (over rows of O and dO: V's head dim) and its kernels (the tables' choice)
+    for the forward's target."""
     arch = KernelSpec.from_json(forward_spec).arch if forward_spec else device_arch(device)
-    specs = tuning.backward_specs(head_dim, DTYPES[dtype], causal, arch, deterministic, varlen, variant=variant)
-    return tuning.backward_prep(head_dim, DTYPES[dtype], arch, **({"varlen": True} if varlen else {})), specs
+    specs = tuning.backward_specs(head_dim, DTYPES[dtype], causal, arch, deterministic, varlen, variant=variant,
+                                  head_dim_v=head_dim_v)
+    return tuning.backward_prep(head_dim_v or head_dim, DTYPES[dtype], arch, **({"varlen": True} if varlen else {})), specs
 
 
 _warmed: set = set()
 
 
 def warm_backward(device: int, head_dim: int, dtype: torch.dtype, causal: bool, deterministic: bool, forward_spec: str,
-                  variant: tuple[str, ...] = (), varlen: bool = False) -> None:
+                  variant: tuple[str, ...] = (), varlen: bool = False, head_dim_v: int = 0) -> None:
     """A forward that will be differentiated starts loading (compiling, the first time) the kernels
     of its backward plan in the background (kernels.prefetch), once per plan, so that a training
     step's first backward does not wait for compiles that could run beside the forward's."""
-    key = ("bwd_varlen" if varlen else "bwd", device, head_dim, dtype, causal, deterministic, forward_spec, variant)
+    key = ("bwd_varlen" if varlen else "bwd", device, head_dim, head_dim_v, dtype, causal, deterministic, forward_spec, variant)
     if key in _plans or key in _warmed:
         return
     _warmed.add(key)
     try:
-        prep, specs = _backward_kernels(device, head_dim, dtype, causal, deterministic, forward_spec, variant, varlen)
+        prep, specs = _backward_kernels(device, head_dim, dtype, causal, deterministic, forward_spec, variant, varlen,
+                                        head_dim_v)
     except SpecError:  # no backward for this shape: the forward still runs, and a backward names the reason
         return
     adder = _dq_adder(specs)
@@ -215,15 +220,16 @@ def _stats(values: dict) -> tuple:
 
 
 def backward(device: int, head_dim: int, dtype: torch.dtype, causal: bool, deterministic: bool, forward_spec: str,
-             variant: tuple[str, ...] = ()) -> Plan:
+             variant: tuple[str, ...] = (), head_dim_v: int = 0) -> Plan:
     """The backward's plan: the prep (delta and the base-2 lse, padded), then the tables' backward
     kernels for the target of the forward's kernel (`forward_spec`, its canonical text; "" = the
     device's); without `deterministic` the key-major kernel adds dQ into an fp32 buffer with
     atomics, converted to dq at the end."""
-    key = ("bwd", device, head_dim, dtype, causal, deterministic, forward_spec, variant)
+    key = ("bwd", device, head_dim, head_dim_v, dtype, causal, deterministic, forward_spec, variant)
     plan = _plans.get(key)
     if plan is None:
-        prep, specs = _backward_kernels(device, head_dim, dtype, causal, deterministic, forward_spec, variant)
+        prep, specs = _backward_kernels(device, head_dim, dtype, causal, deterministic, forward_spec, variant,
+                                        head_dim_v=head_dim_v)
         scratch = [Scratch("delta", _stats), Scratch("lse_log2", _stats)]
         steps = [Launch(kernels.get(spec)) for spec in [prep, *specs]]
         _sum_dq(specs, scratch, steps)
@@ -235,14 +241,15 @@ def backward(device: int, head_dim: int, dtype: torch.dtype, causal: bool, deter
 
 
 def forward_varlen(device: int, head_dim: int, dtype: torch.dtype, causal: bool, max_seqlen_q: int, spec: str,
-                   variant: tuple[str, ...] = ()) -> Plan:
+                   variant: tuple[str, ...] = (), head_dim_v: int = 0) -> Plan:
     """attention_varlen's forward: the kernel `spec` names, or the tables' varlen choice for the
     longest sequence's length."""
-    key = ("fwd_varlen", device, head_dim, dtype, causal, tuning.query_bucket(max_seqlen_q), spec, variant)
+    key = ("fwd_varlen", device, head_dim, head_dim_v, dtype, causal, tuning.query_bucket(max_seqlen_q), spec, variant)
     plan = _plans.get(key)
     if plan is None:
         chosen = KernelSpec.from_json(spec) if spec else tuning.forward_spec(
-            head_dim, DTYPES[dtype], causal, device_arch(device), max_seqlen_q, varlen=True, variant=variant
+            head_dim, DTYPES[dtype], causal, device_arch(device), max_seqlen_q, varlen=True, variant=variant,
+            head_dim_v=head_dim_v,
         )
         plan = _plans[key] = Plan((Launch(kernels.get(chosen)),), whole=True)
     return plan
@@ -255,13 +262,14 @@ def _varlen_stats(values: dict) -> tuple:
 
 
 def backward_varlen(device: int, head_dim: int, dtype: torch.dtype, causal: bool, deterministic: bool, forward_spec: str,
-                    variant: tuple[str, ...] = ()) -> Plan:
+                    variant: tuple[str, ...] = (), head_dim_v: int = 0) -> Plan:
     """attention_varlen's backward: backward()'s steps over packed sequences; the statistics are
     [heads, padded_q] and the fp32 dQ sum is [total_q, heads, head_dim], like q."""
-    key = ("bwd_varlen", device, head_dim, dtype, causal, deterministic, forward_spec, variant)
+    key = ("bwd_varlen", device, head_dim, head_dim_v, dtype, causal, deterministic, forward_spec, variant)
     plan = _plans.get(key)
     if plan is None:
-        prep, specs = _backward_kernels(device, head_dim, dtype, causal, deterministic, forward_spec, variant, varlen=True)
+        prep, specs = _backward_kernels(device, head_dim, dtype, causal, deterministic, forward_spec, variant, varlen=True,
+                                        head_dim_v=head_dim_v)
         scratch = [Scratch("delta", _varlen_stats), Scratch("lse_log2", _varlen_stats)]
         steps = [Launch(kernels.get(spec)) for spec in [prep, *specs]]
         _sum_dq(specs, scratch, steps)

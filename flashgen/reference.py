@@ -40,9 +40,9 @@ def _checked(q, k, v, q_layout, kv_layout, names=("q", "k", "v"), *, batch=None,
     listed = ", ".join(names)
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"{listed} must share one dtype; got " + ", ".join(f"{n} {t.dtype}" for n, t in zip(names, (q, k, v))))
-    if k.shape != v.shape:
-        raise ValueError(f"{names[1]} and {names[2]} must have one shape ({', '.join(kv_layout)}); got {tuple(k.shape)} and "
-                         f"{tuple(v.shape)}")
+    if k.shape[:-1] != v.shape[:-1]:  # (v may have a head dim of its own)
+        raise ValueError(f"{names[1]} and {names[2]} must have one shape ({', '.join(kv_layout[:-1])}, ...); got {tuple(k.shape)} "
+                         f"and {tuple(v.shape)}")
     if "batch" in q_layout and "batch" in kv_layout and q.shape[q_layout.index("batch")] != k.shape[kv_layout.index("batch")]:
         raise ValueError(f"{listed} must have one batch size; got {names[0]} {q.shape[q_layout.index('batch')]}, "
                          f"{names[1]} {k.shape[kv_layout.index('batch')]}")
@@ -51,8 +51,8 @@ def _checked(q, k, v, q_layout, kv_layout, names=("q", "k", "v"), *, batch=None,
         raise ValueError(f"{names[0]} has {heads} heads and {names[1]}, {names[2]} have {kv_heads}: the number of query heads "
                          f"must be a multiple of the number of key/value heads (GQA/MQA)")
     if k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"{listed} must have the same head_dim; got {names[0]} {q.shape[-1]}, {names[1]} {k.shape[-1]}, "
-                         f"{names[2]} {v.shape[-1]}")
+        raise ValueError(f"{names[0]} and {names[1]} must have the same head_dim; got {names[0]} {q.shape[-1]}, "
+                         f"{names[1]} {k.shape[-1]}")
     if not q.device == k.device == v.device:
         raise ValueError(f"{listed} must be on one device; got " + ", ".join(f"{n} {t.device}" for n, t in zip(names, (q, k, v))))
     given = scale
@@ -177,8 +177,9 @@ def _masked(scores, causal, window_size):
 def naive_attention(q, k, v, causal=False, scale=None, upcast=True, *, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, score_mod=None, mask_mod=None, return_lse=False, learnable_sink=None):
     """softmax(q k^T * scale) v with the full score matrix: flashgen.attention in plain PyTorch, on
-    any device. q (batch, heads, seqlen_q, head_dim), k and v (batch, heads_kv, seqlen_k, head_dim),
-    heads a multiple of heads_kv, of one floating dtype. Returns out in q's dtype, and with
+    any device. q and k (batch, heads, seqlen_q, head_dim), (batch, heads_kv, seqlen_k, head_dim), v
+    the same as k or with a head dim of its own (then out's), heads a multiple of heads_kv, of one
+    floating dtype. Returns out in q's dtype, and with
     return_lse=True (out, lse), lse the (batch, heads, seqlen_q) fp32 log-sum-exp, as attention().
 
     upcast=True computes in fp32 (the reference); upcast=False keeps the inputs' dtype for the

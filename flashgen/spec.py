@@ -173,6 +173,11 @@ class KernelSpec:
         return -(-self.d_v // 16) * 16
 
     @property
+    def dims_text(self) -> str:
+        """The head dims as an error message names them."""
+        return f"head_dim={self.head_dim}" + (f", head_dim_v={self.head_dim_v}" if self.head_dim_v else "")
+
+    @property
     def num_threads(self) -> int:
         return self.family.threads(self)
 

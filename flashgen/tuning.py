@@ -228,17 +228,21 @@ def takes(kind: str, variant: tuple) -> bool:
     return all(name in fields if name in variants.RULES else variants.builds(fields, kind, name) for name in _names(variant))
 
 
-def _first_valid(kind, head_dim, dtype, causal, arch, bucket="long", varlen=False, variant=()) -> KernelSpec:
+def _first_valid(kind, head_dim, dtype, causal, arch, bucket="long", varlen=False, variant=(), head_dim_v=0) -> KernelSpec:
     """The first of the table's tile shapes that makes a valid spec; `variant` names the variant
-    fields to set (the tiles are those of the plain kernel: a variant adds a few registers)."""
+    fields to set (the tiles are those of the plain kernel: a variant adds a few registers). With
+    a V head dim of its own the tiles are those of the wider head dim, which hold both."""
     from .families import family
 
     check_head_dim(head_dim)  # a bad head dim is the problem, not the tiles
+    if head_dim_v:
+        check_head_dim(head_dim_v, "head_dim_v")
     family(kind).check_arch(kind, arch)  # nor the tiles of a kind that never builds for the target
     error = None
-    fields = variant_fields(variant)
+    fields = variant_fields(variant) | ({"head_dim_v": head_dim_v} if head_dim_v and head_dim_v != head_dim else {})
     apart = {key: name in _names(variant) for key, name in variants.TUNING_KEYS.items()}
-    for tiles in candidates(kind, head_dim, dtype, causal, arch, bucket, varlen, variants.tiled_apart(variant), **apart):
+    wider = max(head_dim, head_dim_v)
+    for tiles in candidates(kind, wider, dtype, causal, arch, bucket, varlen, variants.tiled_apart(variant), **apart):
         if varlen and tiles.get("persistent"):
             tiles = {**tiles, "persistent": False}  # the varlen Hopper forward runs one tile per CTA
         try:
@@ -246,27 +250,29 @@ def _first_valid(kind, head_dim, dtype, causal, arch, bucket="long", varlen=Fals
                               **({"varlen": True} if varlen else {}), **fields)
         except SpecError as rejected:
             error = rejected
-    raise SpecError(f"no {kind} tile shape fits head_dim={head_dim} on {arch}: {error or 'the tuning table has no entry'}")
+    dims = f"head_dim={head_dim}" + (f", head_dim_v={head_dim_v}" if "head_dim_v" in fields else "")
+    raise SpecError(f"no {kind} tile shape fits {dims} on {arch}: {error or 'the tuning table has no entry'}")
 
 
 def forward_spec(head_dim: int, dtype: str, causal: bool, arch: str, seqlen_q: int, varlen: bool = False,
-                 variant: tuple[str, ...] = ()) -> KernelSpec:
+                 variant: tuple[str, ...] = (), head_dim_v: int = 0) -> KernelSpec:
     """The forward kernel for a problem: the Hopper family on sm_90a, unless the query is short
-    (varlen: the longest sequence's query) or the family does not build the variant."""
+    (varlen: the longest sequence's query) or the family does not build the variant. head_dim_v:
+    V's head dim where it differs from q's (0: the same)."""
     if builds_for("fwd_sm90", arch) and not query_bucket(seqlen_q) and takes("fwd_sm90", variant):
         try:
-            return _first_valid("fwd_sm90", head_dim, dtype, causal, arch, "long", varlen, variant)
+            return _first_valid("fwd_sm90", head_dim, dtype, causal, arch, "long", varlen, variant, head_dim_v)
         except SpecError:
             if not variant:
                 raise
             # no Hopper tile shape has registers for this variant (every rule and variant at once,
             # at the largest head dims): the mma.sync family runs it
-    return mma_forward_spec(head_dim, dtype, causal, arch, seqlen_q, varlen, variant)
+    return mma_forward_spec(head_dim, dtype, causal, arch, seqlen_q, varlen, variant, head_dim_v)
 
 
 def mma_forward_spec(head_dim: int, dtype: str, causal: bool, arch: str, seqlen_q: int, varlen: bool = False,
-                     variant: tuple[str, ...] = ()) -> KernelSpec:
-    return _first_valid("fwd", head_dim, dtype, causal, arch, bucket_name(seqlen_q), varlen, variant)
+                     variant: tuple[str, ...] = (), head_dim_v: int = 0) -> KernelSpec:
+    return _first_valid("fwd", head_dim, dtype, causal, arch, bucket_name(seqlen_q), varlen, variant, head_dim_v)
 
 
 def tuned_spec(kind: str | None, head_dim: int, dtype: str, causal: bool, arch: str, variant: tuple[str, ...] = ()) -> KernelSpec:
@@ -287,7 +293,8 @@ def tuned_spec(kind: str | None, head_dim: int, dtype: str, causal: bool, arch: 
 
 
 def backward_kinds(head_dim: int, arch: str, deterministic: bool, variant: tuple[str, ...] = ()) -> list[str]:
-    """The kinds of the backward kernels that run after the prep, in order."""
+    """The kinds of the backward kernels that run after the prep, in order (head_dim: the wider of
+    q's and v's)."""
     hopper = HOPPER_BACKWARD_KINDS[deterministic]
     if all(builds_for(k, arch) for k in hopper) and head_dim <= HOPPER_BACKWARD_HEAD_DIM and all(takes(k, variant) for k in hopper):
         return hopper
@@ -295,14 +302,16 @@ def backward_kinds(head_dim: int, arch: str, deterministic: bool, variant: tuple
 
 
 def backward_specs(head_dim: int, dtype: str, causal: bool, arch: str, deterministic: bool, varlen: bool = False,
-                   variant: tuple[str, ...] = ()) -> list[KernelSpec]:
+                   variant: tuple[str, ...] = (), head_dim_v: int = 0) -> list[KernelSpec]:
     """The backward kernels to run after the prep, in order."""
     variant = variants.for_backward(variant)
-    kinds = backward_kinds(head_dim, arch, deterministic, variant)
-    return [_first_valid(kind, head_dim, dtype, causal, arch, varlen=varlen, variant=variant) for kind in kinds]
+    kinds = backward_kinds(max(head_dim, head_dim_v), arch, deterministic, variant)
+    return [_first_valid(kind, head_dim, dtype, causal, arch, varlen=varlen, variant=variant, head_dim_v=head_dim_v)
+            for kind in kinds]
 
 
 def backward_prep(head_dim: int, dtype: str, arch: str, varlen: bool = False) -> KernelSpec:
+    """The prep reads rows of O and dO: head_dim is theirs (V's head dim)."""
     return KernelSpec(head_dim=head_dim, dtype=dtype, arch=arch, kind="bwd_prep", **({"varlen": True} if varlen else {}))
 
 

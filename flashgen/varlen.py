@@ -39,9 +39,9 @@ def _well_formed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     batch = cu_shape[0] - 1
     device = q.get_device()
     return (
-        q.dtype in DTYPES and q.dtype == k.dtype == v.dtype and v.shape == k_shape
+        q.dtype in DTYPES and q.dtype == k.dtype == v.dtype and v.shape[:2] == k_shape[:2]
         and kv_dim == head_dim and kv_heads and not heads % kv_heads and heads <= MAX_GRID_YZ
-        and not head_dim % 8 and 8 <= head_dim <= 256
+        and not head_dim % 8 and 8 <= head_dim <= 256 and (v.shape[2] == head_dim or (not v.shape[2] % 8 and 8 <= v.shape[2] <= 256))
         and q.stride()[2] == 1 and k.stride()[2] == 1 and v.stride()[2] == 1
         and cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32 and 0 <= batch <= MAX_GRID_YZ
         and _is_length(max_seqlen_q) and _is_length(max_seqlen_k)
@@ -66,11 +66,10 @@ def check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     for name, t in named.items():
         inputs.half_precision(name, t)
     inputs.one_dtype(named)
-    inputs.same(f"shape ({kv_rows}, head_dim)", {"k": tuple(k.shape), "v": tuple(v.shape)})
+    inputs.same(f"shape ({kv_rows})", {"k": tuple(k.shape[:-1]), "v": tuple(v.shape[:-1])})
     total_q, heads, head_dim = q.shape
     inputs.query_groups(heads, k.shape[-2])
-    inputs.same("head_dim", {name: t.shape[-1] for name, t in named.items()})
-    inputs.head_dim(head_dim)
+    inputs.head_dims(head_dim, k.shape[-1], v.shape[-1], v_own="attention_varlen with a block_table" if paged else "")
     inputs.last_dim_contiguous(named)
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         inputs.int32(name, cu)
@@ -146,16 +145,17 @@ def attention_varlen(
     """Exact attention over a batch of sequences of different lengths, packed without padding;
     FlashAttention's flash_attn_varlen_func (names, layouts, semantics). Differentiable.
 
-    q: (total_q, heads, d); k, v: (total_k, heads_kv, d), heads a multiple of heads_kv (GQA/MQA);
-    float16 or bfloat16 on one CUDA device, any row/head strides with the last dimension
-    contiguous; d a multiple of 8 up to 256. cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) on the
+    q, k: (total_q, heads, d), (total_k, heads_kv, d); v: (total_k, heads_kv, d_v), heads a multiple
+    of heads_kv (GQA/MQA); float16 or bfloat16 on one CUDA device, any row/head strides with the
+    last dimension contiguous; d and d_v multiples of 8 up to 256 (v may have a head dim of its own,
+    as in attention(): out then has d_v; not with a block_table). cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) on the
     same device: sequence b is query rows cu_seqlens_q[b] ... cu_seqlens_q[b + 1] - 1 and key rows
     cu_seqlens_k[b] ... cu_seqlens_k[b + 1] - 1. max_seqlen_q, max_seqlen_k: Python ints, the
     longest query and key lengths (they size the grid). A sequence may be empty.
     causal=True aligns the mask bottom-right in each sequence: query i of sequence b sees key j
     iff j <= i + len_k(b) - len_q(b). A query that sees no key gets 0 (and lse -inf).
     softmax_scale defaults to 1/sqrt(d). Under torch.autocast, floating inputs (but fp64) are cast
-    to the autocast dtype first. Returns out (total_q, heads, d), and with return_lse=True also the
+    to the autocast dtype first. Returns out (total_q, heads, d_v), and with return_lse=True also the
     (heads, total_q) fp32 log-sum-exp of the scaled scores (natural log), FlashAttention's varlen
     layout. deterministic=True gives bitwise-reproducible gradients, as in attention().
     Variants, flash_attn_varlen_func's, aligned bottom-right in each sequence like causal (query i

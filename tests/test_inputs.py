@@ -58,7 +58,13 @@ def test_batch_mismatch():
 def test_head_dims_disagree():
     q, _, _ = qkv(d=64)
     _, k, v = qkv(d=32)
-    attention_error(q, k, v, ValueError, "same head_dim; got q 64, k 32, v 32")
+    attention_error(q, k, v, ValueError, "q and k must have the same head_dim; got q 64, k 32")
+
+
+def test_v_may_have_a_head_dim_of_its_own_but_a_supported_one():
+    q, k, _ = qkv(d=64)
+    attention_error(q, k, t(2, 4, 16, 12), ValueError, r"head_dim=12 \(v\) is not supported: it must be a multiple of 8")
+    attention_error(q, k, t(2, 4, 16, 128), ValueError, "CUDA")  # 64 / 128 passes every check up to the device's
 
 
 def test_kv_head_count_mismatch():

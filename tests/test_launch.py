@@ -449,7 +449,7 @@ def test_a_forward_without_a_backward_kernel_warms_nothing_and_runs(monkeypatch)
     monkeypatch.setattr(plans, "_warmed", set())
     monkeypatch.setitem(plans._arch, -1, "sm_86")
 
-    def no_backward(*args):
+    def no_backward(*args, **keywords):
         raise SpecError("no bwd_v tile shape fits head_dim=256 on sm_86")
 
     monkeypatch.setattr(plans, "_backward_kernels", no_backward)

@@ -43,10 +43,9 @@ def test_causal_keeps_the_diagonal_logic_and_full_drops_it():
     assert "return key >= seqlen_k;" in full  # only keys past the end are masked
 
 
-def test_pad_columns_checked_only_when_head_dim_is_not_a_multiple_of_16():
-    assert "chunk < CHUNKS" in render(KernelSpec(head_dim=40))
+def test_head_dims_are_padded_to_the_mma_k_step():
     assert "constexpr int HEAD_DIM_PAD = 48;" in render(KernelSpec(head_dim=40))
-    assert "chunk < CHUNKS" not in render(KernelSpec(head_dim=64))
+    assert "constexpr int HEAD_DIM_PAD = 64;" in render(KernelSpec(head_dim=64))
 
 
 def test_dtype_selects_the_mma_type():

@@ -112,7 +112,7 @@ def test_the_hopper_forward_offsets_its_maps_and_clips_partial_tiles():
         "block.q_start + tl.m0, tl.head, 0,",
         "if (block.tile >= num_m_blocks) return;",
         "if (wg_rows > 0 && wg_rows < 64) {",  # a partial tile: plain stores, rows before the end only
-        "store_rows<HEAD_DIM>(o_ptr + block.q_rows(o_row, o_head, tl.head) + i64(wg_row) * o_row, o_row, o_s,",
+        "store_rows<HEAD_DIM_V>(o_ptr + block.q_rows(o_row, o_head, tl.head) + i64(wg_row) * o_row, o_row, o_s,",
         "if (r < rows)",
         "if (wg_rows >= 64) {",  # only whole tiles go through TMA
         "block.q_start + wg_row, tl.head, 0);",
@@ -399,7 +399,7 @@ BAD = [
     (dict(k=torch.zeros(20, 128, dtype=torch.bfloat16)), ValueError, r"k must have 3 dimensions \(total_k, heads_kv, head_dim\)"),
     (dict(q=torch.zeros(30, 4, 64)), TypeError, "q has dtype torch.float32; flashgen supports torch.float16 and torch.bfloat16"),
     (dict(v=torch.zeros(20, 2, 64, dtype=torch.float16)), TypeError, "share one dtype; got q torch.bfloat16, k torch.bfloat16, v torch.float16"),
-    (dict(v=torch.zeros(19, 2, 64, dtype=torch.bfloat16)), ValueError, r"k and v must have the same shape .* got k \(20, 2, 64\), v \(19, 2, 64\)"),
+    (dict(v=torch.zeros(19, 2, 64, dtype=torch.bfloat16)), ValueError, r"k and v must have the same shape \(total_k, heads_kv\); got k \(20, 2\), v \(19, 2\)"),
     (dict(k=torch.zeros(20, 3, 64, dtype=torch.bfloat16), v=torch.zeros(20, 3, 64, dtype=torch.bfloat16)), ValueError, "q has 4 heads and k, v have 3: .* multiple"),
     (dict(k=torch.zeros(20, 2, 32, dtype=torch.bfloat16), v=torch.zeros(20, 2, 32, dtype=torch.bfloat16)), ValueError, "same head_dim; got q 64, k 32"),
     (dict(q=torch.zeros(30, 4, 100, dtype=torch.bfloat16), k=torch.zeros(20, 2, 100, dtype=torch.bfloat16), v=torch.zeros(20, 2, 100, dtype=torch.bfloat16)),
@@ -607,7 +607,7 @@ PAGED_BAD = [
     (dict(block_table=torch.zeros(3, 3, dtype=torch.int32)), ValueError, r"block_table must be \(batch, max_blocks_per_sequence\) with batch 4"),
     (dict(k=torch.zeros(14, 24, 2, 64, dtype=torch.bfloat16), v=torch.zeros(14, 24, 2, 64, dtype=torch.bfloat16)), ValueError,
      r"page_size=24 \(k.shape\[1\]\) is not supported"),
-    (dict(v=torch.zeros(14, 16, 2, 32, dtype=torch.bfloat16)), ValueError, r"k and v must have the same shape \(num_blocks, page_size, heads_kv"),
+    (dict(v=torch.zeros(14, 16, 2, 32, dtype=torch.bfloat16)), ValueError, "v has head_dim=32 and q 64: attention_varlen with a block_table takes v with q's head dim"),
     (dict(k=torch.zeros(14, 16, 3, 64, dtype=torch.bfloat16), v=torch.zeros(14, 16, 3, 64, dtype=torch.bfloat16)), ValueError,
      "q has 4 heads and k, v have 3"),
     (dict(k=torch.zeros(14, 16, 2, 68, dtype=torch.bfloat16)[..., :64], v=torch.zeros(14, 16, 2, 68, dtype=torch.bfloat16)[..., :64]),

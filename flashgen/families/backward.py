@@ -158,12 +158,12 @@ class KeyMajorBackward(_BackwardTiles):
     def accumulators(self, spec: KernelSpec) -> int:
         grads = self.grads(spec)
         scores = 1 + ("k" in grads or "q" in grads)  # S^T, and dP^T when dS is needed
-        outputs = ("k" in grads) + ("v" in grads)  # dK, dV
-        return self.rows_per_warp(spec) // 16 * (outputs * spec.head_dim_pad + scores * spec.block_m) // 2
+        widths = ("k" in grads) * spec.head_dim_pad + ("v" in grads) * spec.d_v_pad  # dK, dV
+        return self.rows_per_warp(spec) // 16 * (widths + scores * spec.block_m) // 2
 
     def smem(self, spec: KernelSpec) -> SmemLayout:
         # Core-matrix tiles (wgmma) have no padding; dK and dV are staged in padded rows either way.
-        tile_row = spec.head_dim_pad * 2 if self.wgmma(spec) else self.row_bytes(spec)
+        tile_row = self.row_pad(spec) * 2 if self.wgmma(spec) else self.row_bytes(spec)
         regions = [
             Region("k", spec.block_n * tile_row), Region("v", spec.block_n * tile_row),
             Region("q", spec.num_stages * spec.block_m * tile_row), Region("do", spec.num_stages * spec.block_m * tile_row),
@@ -176,9 +176,13 @@ class KeyMajorBackward(_BackwardTiles):
 
     def params(self, spec: KernelSpec) -> Params:
         grads = self.grads(spec)
-        # dK and dV share one layout (both are allocated like k), passed once as dkv_*.
+        # dK and dV share one layout (both are allocated like k), passed once as dkv_*; with a head
+        # dim of its own dV has its own strides (dv_*).
+        dims = {"dims": PACKED} if spec.varlen else {}
         outputs = [pointer(name, "elem_t*") for name in ("dk", "dv") if name[1] in grads]
-        outputs += strides("dkv", outputs[0].name, **({"dims": PACKED} if spec.varlen else {}))
+        outputs += strides("dkv", outputs[0].name, **dims)
+        if spec.head_dim_v and "k" in grads and "v" in grads:
+            outputs += strides("dv", "dv", **dims)
         if "q" in grads:  # zeroed; [batch, heads, seqlen_q, head_dim] or, varlen, [total_q, heads, head_dim]
             outputs.append(pointer("dq_accum", "float*"))
         return Params(self.arguments, [
@@ -199,14 +203,27 @@ class KeyMajorBackward(_BackwardTiles):
             "has_dv": "v" in grads,
             "has_dq": "q" in grads,
             "need_dp": "k" in grads or "q" in grads,
-            # (accumulator, fp32 tile it is multiplied from, shared-memory B operand)
-            "gemms": [g for g in (("dv", "s", "do_tile"), ("dk", "dp", "q_tile")) if g[0][1] in grads],
+            # each gradient's product: its accumulator, the fp32 tile it is multiplied from, the shared-memory
+            # B operand, its head dim, n8 tiles and padded width, and the strides it is stored with
+            "gemms": [gemm for gemm in self.gemms(spec) if gemm["acc"][1] in grads],
             "grads_text": " and ".join({"k": "dK", "v": "dV"}[g] for g in grads if g != "q"),
             "wgmma": self.wgmma(spec),  # also stores the shared-memory tiles as wgmma's core matrices
             "dq_rows": dq_rows,
             "dq_pairs": dq_pairs,
         }
 
+
+    @classmethod
+    def gemms(cls, spec: KernelSpec) -> list[dict]:
+        """dV += P^T dO and dK += dS^T Q. dK and dV share one layout (passed once as dkv_*) unless
+        v has a head dim of its own."""
+        dv_strides = "dv" if spec.head_dim_v and "k" in cls.grads(spec) else "dkv"
+        return [
+            {"acc": "dv", "src": "s", "smem_tile": "do_tile", "dim": "HEAD_DIM_V", "tiles": "DV_TILES", "pad": spec.d_v_pad,
+             "strides": dv_strides, "text": "dV += P^T dO"},
+            {"acc": "dk", "src": "dp", "smem_tile": "q_tile", "dim": "HEAD_DIM", "tiles": "D_TILES", "pad": spec.head_dim_pad,
+             "strides": "dkv", "text": "dK += dS^T Q"},
+        ]
 
     # ---- the dQ accumulator (kinds with a "q"): q's shape, fp32, read back as it is ---------------
 

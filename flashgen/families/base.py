@@ -117,7 +117,7 @@ class Family:
         if spec.smem_bytes > limit:
             raise SpecError(
                 f"block_m={spec.block_m}, block_n={spec.block_n}, num_stages={spec.num_stages}, "
-                f"head_dim={spec.head_dim}: needs {spec.smem_bytes} bytes of shared memory, "
+                f"{spec.dims_text}: needs {spec.smem_bytes} bytes of shared memory, "
                 f"more than the {limit} a block may use on {spec.arch}"
             )
 
@@ -260,7 +260,7 @@ class MmaTiles(Family):
         limit = self.max_accumulators - margin
         if self.accumulators(spec) > limit:
             raise SpecError(
-                f"block_m={spec.block_m}, block_n={spec.block_n}, head_dim={spec.head_dim}, "
+                f"block_m={spec.block_m}, block_n={spec.block_n}, {spec.dims_text}, "
                 f"num_warps={spec.num_warps}{''.join(f', {d.name}' for d in on)}: each thread would hold "
                 f"{self.accumulators(spec)} fp32 accumulators; at most {limit} fit in registers "
                 f"(use smaller tiles, or more warps for the same tiles)"
@@ -274,12 +274,18 @@ class MmaTiles(Family):
         raise NotImplementedError
 
     @staticmethod
-    def row_bytes(spec: KernelSpec) -> int:
+    def row_pad(spec: KernelSpec) -> int:
+        """The padded width every tile row has: the wider of q's and v's head dims (V's tiles and
+        the output's staging share the pitch of Q's and K's)."""
+        return max(spec.head_dim_pad, spec.d_v_pad)
+
+    @classmethod
+    def row_bytes(cls, spec: KernelSpec) -> int:
         """A padded shared-memory row: 16 extra bytes put ldmatrix's 8 rows in 8 bank groups."""
-        return (spec.head_dim_pad + 8) * 2
+        return (cls.row_pad(spec) + 8) * 2
 
     def context(self, spec: KernelSpec) -> dict:
-        context = {**super().context(spec), "smem_stride": spec.head_dim_pad + 8}
+        context = {**super().context(spec), "smem_stride": self.row_pad(spec) + 8}
         if spec.mask_mod:
             context.update(block_mask_lists(key_major=self.owner == "block_n"))
         return context

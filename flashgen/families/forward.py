@@ -55,7 +55,7 @@ class MmaForward(MmaTiles):
     builtins_free = True  # the forward's tiles hold every built-in variant without spilling (tests/test_variants.py)
 
     def accumulators(self, spec: KernelSpec) -> int:
-        return self.rows_per_warp(spec) // 16 * (spec.head_dim_pad + spec.block_n) // 2  # S and O
+        return self.rows_per_warp(spec) // 16 * (spec.d_v_pad + spec.block_n) // 2  # S and O
 
     def smem(self, spec: KernelSpec) -> SmemLayout:
         row = self.row_bytes(spec)

@@ -55,7 +55,7 @@ class HopperForward(Family):
     kinds = ("fwd_sm90",)
     needs = HOPPER_NEEDS
     template = "attention_fwd_sm90.cu.j2"
-    fields = ("head_dim", "block_m", "block_n", "dtype", "causal", "num_stages", "arch", "persistent", "exp2_fma", "varlen",
+    fields = ("head_dim", "head_dim_v", "block_m", "block_n", "dtype", "causal", "num_stages", "arch", "persistent", "exp2_fma", "varlen",
               *variants.EVERYWHERE, "score_mod", "mask_mod")
     arguments = ("q", "k", "v", "o", "lse", "scale", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", *variants.ARGUMENTS)
     forward = True
@@ -72,6 +72,11 @@ class HopperForward(Family):
         """Head dims are padded to whole 64-element (128-byte) chunks: one TMA box, one swizzle row."""
         return -(-spec.head_dim // 64) * 64
 
+    @staticmethod
+    def d_v_pad(spec: KernelSpec) -> int:
+        """V's and O's head dim, padded the same way."""
+        return -(-spec.d_v // 64) * 64
+
     def check(self, spec: KernelSpec) -> None:
         if spec.block_m not in (128, 192):
             raise SpecError(f"block_m={spec.block_m}: must be 128 or 192 (two or three consumer warpgroups of 64 rows)")
@@ -86,7 +91,7 @@ class HopperForward(Family):
         limit = MAX_ACCUMULATORS[self.consumers(spec)]
         if held > limit:
             raise SpecError(
-                f"block_m={spec.block_m}, block_n={spec.block_n}, head_dim={spec.head_dim}: each consumer thread "
+                f"block_m={spec.block_m}, block_n={spec.block_n}, {spec.dims_text}: each consumer thread "
                 f"would hold {held} registers of accumulators; at most {limit} fit (use a smaller block_n)"
             )
         rules = [rule for rule in RULE_MARGINS if getattr(spec, rule)]
@@ -95,14 +100,14 @@ class HopperForward(Family):
             margin = sum(RULE_MARGINS[rule] for rule in rules) + sum(d.registers for d in on)
             if held + margin > limit:
                 raise SpecError(
-                    f"block_m={spec.block_m}, block_n={spec.block_n}, head_dim={spec.head_dim} with "
+                    f"block_m={spec.block_m}, block_n={spec.block_n}, {spec.dims_text} with "
                     f"{', '.join(rules + [d.name for d in on])}: each consumer thread would hold {held} registers of accumulators and "
                     f"{margin} for the rules and variants; at most {limit} fit (use a smaller block_n, or block_m=128)"
                 )
 
     def accumulators(self, spec: KernelSpec) -> int:
         """Registers a consumer thread holds in S, O and P (packed)."""
-        return spec.block_n // 2 + self.head_dim_pad(spec) // 2 + spec.block_n // 4
+        return spec.block_n // 2 + self.d_v_pad(spec) // 2 + spec.block_n // 4
 
     def q_in_registers(self, spec: KernelSpec) -> bool:
         """Whether each consumer keeps its rows of Q in registers (a quarter of the padded head dim
@@ -117,21 +122,20 @@ class HopperForward(Family):
         return 128 * (self.consumers(spec) + 1)
 
     def smem(self, spec: KernelSpec) -> SmemLayout:
-        chunks = self.head_dim_pad(spec) // 64  # each [rows][64] elements, 128 bytes a row
-        kv_tiles = spec.num_stages * chunks * spec.block_n * 128
-        q_tile = chunks * spec.block_m * 128
-        regions = [
-            Region("q", q_tile, align=1024),
-            Region("k", kv_tiles, align=1024),
-            Region("v", kv_tiles, align=1024),
+        # tiles of [rows][64] elements, 128 bytes a row: Q and K head_dim_pad / 64 of them, V and O d_v_pad / 64
+        chunks, v_chunks = self.head_dim_pad(spec) // 64, self.d_v_pad(spec) // 64
+        q_tile, o_tile = chunks * spec.block_m * 128, v_chunks * spec.block_m * 128
+        rest = [
+            Region("k", spec.num_stages * chunks * spec.block_n * 128, align=1024),
+            Region("v", spec.num_stages * v_chunks * spec.block_n * 128, align=1024),
             Region("bar", 8 * (2 + 4 * spec.num_stages), align=8),  # mbarriers
         ]
         if spec.persistent:
             # O staged apart from Q, where it fits, so the next tile's Q loads during this one's store
-            with_o = SmemLayout([*regions, Region("o", q_tile, align=1024)])
+            with_o = SmemLayout([Region("q", q_tile, align=1024), *rest, Region("o", o_tile, align=1024)])
             if with_o.size <= SMEM_LIMIT[spec.arch]:
                 return with_o
-        return SmemLayout(regions)
+        return SmemLayout([Region("q", max(q_tile, o_tile), align=1024), *rest])  # O staged over Q
 
     def params(self, spec: KernelSpec) -> Params:
         if spec.varlen:  # packed (total, heads, d) tensors: maps of a batch of one, and O's own strides

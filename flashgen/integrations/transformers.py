@@ -67,12 +67,6 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     if kwargs.get("output_attentions"):
         raise ValueError("output_attentions=True needs the probabilities, which flashgen never forms: use eager")
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    head_dim, v_head_dim = query.shape[-1], value.shape[-1]
-    if v_head_dim < head_dim:  # e.g. MLA: pad V to the query's head dim, crop the output
-        value = torch.nn.functional.pad(value, [0, head_dim - v_head_dim])
-    elif v_head_dim > head_dim:  # pad q and k instead: zeros add nothing to the scores, and the scale stays q's
-        scaling = head_dim**-0.5 if scaling is None else scaling
-        query, key = (torch.nn.functional.pad(t, [0, v_head_dim - head_dim]) for t in (query, key))
     options = {}  # the variants this model uses, in FlashAttention's keywords (none: the plain kernels)
     if sliding_window is not None and sliding_window < key.shape[2]:
         options["window_size"] = (sliding_window - 1, 0 if is_causal else sliding_window - 1)
@@ -94,7 +88,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                       scaling, options)
     else:
         out = attention(query, key, value, causal=is_causal, scale=scaling, **options).transpose(1, 2)
-    return out[..., :v_head_dim].contiguous(), None
+    return out.contiguous(), None  # (V may have a head dim of its own, as in DeepSeek's MLA: the output has it)
 
 
 def _packed(attention_varlen, query, key, value, cu_q, cu_k, max_q, max_k, causal, scale, options):
