@@ -44,6 +44,14 @@ Two ways to split the work between the consumer warpgroups, chosen by block_n:
   d = 256, BLOCK_M = 64, num_stages = 2: 64 + 64 + 32 + 16 + 8 + 32 KB = 216 KB, 218 KB with the
   statistics, barriers and alignment; at d = 192: 48 + 48 + 48 + 16 + 8 + 32 = 200 KB (two dO stages).
 
+V's head dim of its own (head_dim_v, spec.d_v; DeepSeek's 192 / 128): q, k, dq, dk have head_dim,
+v, dO, dv have d_v. V and dO tiles are d_v_pad / 64 chunks (dV is staged in V's), dP^T = V dO^T
+runs its k-steps over d_v_pad and dV += P^T dO has N = d_v_pad, while S^T, dK (N = head_dim_pad)
+and dQ (its pieces and fp32 sum) keep head_dim. A consumer thread of the block_n=128 layout holds
+head_dim_pad / 2 + d_v_pad / 2 fp32 of dK and dV (both pads at most 128); in the split layout the
+wider of the two gradients bounds the registers, and each warpgroup runs its own instance of the
+consumer code, the two sides' products differing in size.
+
 Kinds: bwd_sm90_kvq writes dK, dV and dQ; bwd_sm90_kv writes dK and dV (deterministic mode: dQ
 then comes from the query-major bwd_q pass, in a fixed order).
 
@@ -185,6 +193,13 @@ class HopperBackward(Family):
                 f"block_m={spec.block_m}, head_dim={spec.head_dim}: the dQ tile of a step ({spec.block_m} x {pad}) "
                 f"must be at most {MAX_DQ_PIECES} pieces of {PIECE} x {PIECE}, one per consumer warpgroup (use block_m=64)"
             )
+        size, limit = self.smem(spec).size, SMEM_LIMIT[spec.arch]
+        if spec.head_dim_v and size > limit:  # (validate says it for the others, in head_dim's words)
+            raise SpecError(
+                f"block_m={spec.block_m}, block_n={spec.block_n}, num_stages={spec.num_stages}, {dims}: needs {size} "
+                f"bytes of shared memory (K and Q tiles of {pad} columns, V and dO tiles of {v_pad}), more than the "
+                f"{limit} a block may use on {spec.arch}"
+            )
 
     def threads(self, spec: KernelSpec) -> int:
         return 128 * (self.consumers(spec) + 1)
@@ -285,7 +300,8 @@ class HopperBackward(Family):
                 "split": self.split(spec), "do_stages": self.do_stages(spec),
                 "capped_first": capped_first(spec),
                 # finish_before_wait after P^T: with a mask rule's per-element test ahead of the dP^T
-                # wait too, bwd_sm90_kv spilled at d = 96 and 128 (CPU compile sweep)
+                # wait too, bwd_sm90_kv spilled at d = 96 and 128 (CPU compile sweep; head_dim 64 or 32
+                # beside head_dim_v 128 fits)
                 "p_under_dp": not spec.mask_mod or self.head_dim_pad(spec) <= 64,
                 **(block_mask_lists(key_major=True) if spec.mask_mod else {})}
 
