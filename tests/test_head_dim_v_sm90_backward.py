@@ -146,3 +146,18 @@ def test_a_spec_without_head_dim_v_renders_none_of_it():
         source = render(KernelSpec(kind="bwd_sm90_kvq", head_dim=128, block_m=64, block_n=block_n, varlen=True))
         assert not any(word in source for word in ("HEAD_DIM_V", "DV_PAD", "DO_TILE_BYTES", "Side<", "dv_row"))
         assert "i64 dkv_row, i64 dkv_head" in source
+
+
+@pytest.mark.parametrize("s", [s for s in COMPILED if s.varlen], ids=lambda s: s.name)
+def test_parameter_list_matches_the_compiled_kernel(s):
+    """dK's and dV's own strides (varlen) in the family's list, from which the host packing is made,
+    in the order and types NVRTC laid the kernel's parameters out."""
+    entry = re.search(rf"\.entry {s.name}\((.*?)\)", ptx_of(s), re.DOTALL).group(1)
+    compiled = re.findall(r"\.param (\.align \d+ \.b8|\.\w+)(?: \.ptr[^ ]*)? (\w+?)(\[\d+\])?,?\n", entry)
+    kinds = {"ptr": ".u64", "i64": ".u64", "int": ".u32", "float": ".f32"}
+    params = s.family.params(s).params
+    assert [(ptype, size) for ptype, _, size in compiled] == [
+        (kinds[p.kind], "") if p.kind != "tensormap" else (".align 64 .b8", "[128]") for p in params
+    ]
+    assert [p.value for p in params if p.name in ("dk_row", "dk_head", "dv_row", "dv_head")] == [
+        "dk_stride[0]", "dk_stride[1]", "dv_stride[0]", "dv_stride[1]"]
