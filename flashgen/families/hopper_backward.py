@@ -193,8 +193,8 @@ class HopperBackward(Family):
                 f"block_m={spec.block_m}, head_dim={spec.head_dim}: the dQ tile of a step ({spec.block_m} x {pad}) "
                 f"must be at most {MAX_DQ_PIECES} pieces of {PIECE} x {PIECE}, one per consumer warpgroup (use block_m=64)"
             )
-        size, limit = self.smem(spec).size, SMEM_LIMIT[spec.arch]
-        if spec.head_dim_v and size > limit:  # (validate says it for the others, in head_dim's words)
+        # (validate says it for the others, in head_dim's words)
+        if spec.head_dim_v and (size := self.smem(spec).size) > (limit := SMEM_LIMIT[spec.arch]):
             raise SpecError(
                 f"block_m={spec.block_m}, block_n={spec.block_n}, num_stages={spec.num_stages}, {dims}: needs {size} "
                 f"bytes of shared memory (K and Q tiles of {pad} columns, V and dO tiles of {v_pad}), more than the "
