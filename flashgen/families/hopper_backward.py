@@ -44,6 +44,14 @@ Two ways to split the work between the consumer warpgroups, chosen by block_n:
   d = 256, BLOCK_M = 64, num_stages = 2: 64 + 64 + 32 + 16 + 8 + 32 KB = 216 KB, 218 KB with the
   statistics, barriers and alignment; at d = 192: 48 + 48 + 48 + 16 + 8 + 32 = 200 KB (two dO stages).
 
+V's head dim of its own (head_dim_v, spec.d_v; DeepSeek's 192 / 128): q, k, dq, dk have head_dim,
+v, dO, dv have d_v. V and dO tiles are d_v_pad / 64 chunks (dV is staged in V's), dP^T = V dO^T
+runs its k-steps over d_v_pad and dV += P^T dO has N = d_v_pad, while S^T, dK (N = head_dim_pad)
+and dQ (its pieces and fp32 sum) keep head_dim. A consumer thread of the block_n=128 layout holds
+head_dim_pad / 2 + d_v_pad / 2 fp32 of dK and dV (both pads at most 128); in the split layout the
+wider of the two gradients bounds the registers, and each warpgroup runs its own instance of the
+consumer code, the two sides' products differing in size.
+
 Kinds: bwd_sm90_kvq writes dK, dV and dQ; bwd_sm90_kv writes dK and dV (deterministic mode: dQ
 then comes from the query-major bwd_q pass, in a fixed order).
 
@@ -105,7 +113,7 @@ class HopperBackward(Family):
     # up to 64 with block_m=64), computing P^T and dS^T in one pass after both score products. Mask
     # rules in both: each key tile walks the query tiles its block mask lists (per key tile), testing
     # the rule per element in partial ones.
-    fields = ("head_dim", "block_m", "block_n", "dtype", "causal", "num_stages", "arch", "varlen", *variants.EVERYWHERE,
+    fields = ("head_dim", "head_dim_v", "block_m", "block_n", "dtype", "causal", "num_stages", "arch", "varlen", *variants.EVERYWHERE,
               "score_mod", "mask_mod")
     arguments = ("q", "k", "v", "d_o", "lse_log2", "delta", "dk", "dv", "dq_accum", "scale", "cu_seqlens_q", "cu_seqlens_k",
                  "max_seqlen_k", *variants.ARGUMENTS)
@@ -115,6 +123,11 @@ class HopperBackward(Family):
     def head_dim_pad(spec: KernelSpec) -> int:
         """Whole 64-column (128-byte) chunks: one TMA box and one swizzle row each."""
         return -(-spec.head_dim // 64) * 64
+
+    @staticmethod
+    def d_v_pad(spec: KernelSpec) -> int:
+        """V's head dim (dO's and dV's: spec.d_v) in whole 64-column chunks, as head_dim_pad is q's."""
+        return -(-spec.d_v // 64) * 64
 
     @staticmethod
     def has_dq(spec: KernelSpec) -> bool:
@@ -141,19 +154,21 @@ class HopperBackward(Family):
             raise SpecError(f"num_stages={spec.num_stages}: must be 2 or 3 (Q and dO tiles in flight)")
         check_backward_rule(spec)
         check_rules_fixed_length(spec)
-        pad = self.head_dim_pad(spec)
+        pad, v_pad = self.head_dim_pad(spec), self.d_v_pad(spec)  # Q, K, dK, dQ; V, dO, dV
+        dims = f"head_dim={spec.head_dim}" + (f", head_dim_v={spec.head_dim_v}" if spec.head_dim_v else "")
         if self.split(spec):
-            # fp32 registers a consumer thread holds at once: its gradient (dV or dK, pad / 2) and its
-            # score tile (S^T or dP^T, block_m / 2).
-            held, holds = pad // 2 + spec.block_m // 2, "dV or dK, and S^T or dP^T"
+            # fp32 registers a consumer thread holds at once: its gradient (dV, v_pad / 2, or dK, pad / 2)
+            # and its score tile (S^T or dP^T, block_m / 2). Both warpgroups get 240 registers: the
+            # wider gradient bounds them.
+            held, holds = max(pad, v_pad) // 2 + spec.block_m // 2, "dV or dK, and S^T or dP^T"
         else:
-            if pad > 128:
+            if max(pad, v_pad) > 128:
                 raise SpecError(
-                    f"head_dim={spec.head_dim}: a {spec.kind} kernel with block_n=128 takes head dims up to 128 "
-                    f"(each consumer thread would hold dV and dK, {pad} fp32); block_n=64 takes up to 256"
+                    f"{dims}: a {spec.kind} kernel with block_n=128 takes head dims up to 128 "
+                    f"(each consumer thread would hold dV and dK, {(pad + v_pad) // 2} fp32); block_n=64 takes up to 256"
                 )
-            # dV and dK (pad / 2 each), S^T and dP^T (block_m / 2 each).
-            held, holds = pad + spec.block_m, "dV, dK, S^T, dP^T"
+            # dV (v_pad / 2) and dK (pad / 2), S^T and dP^T (block_m / 2 each).
+            held, holds = (pad + v_pad) // 2 + spec.block_m, "dV, dK, S^T, dP^T"
         # softcap's tanh over 128 queries a step (64 scores a thread) spilled at d = 64 (a mask rule's
         # test, branch-free since its `mask | rule`, fits: CPU compile sweep, tests/test_variants.py)
         wide_scores = _pointwise_grad(spec) and spec.block_m == 128
@@ -163,20 +178,27 @@ class HopperBackward(Family):
         score_tile = (_pointwise_grad(spec) and not capped_first(spec)) or spec.score_mod or masked_cap
         if (score_tile or wide_scores) and not self.split(spec) and held + SCORE_REGISTERS > 192:
             raise SpecError(
-                f"block_m={spec.block_m}, head_dim={spec.head_dim}: with a score_mod, softcap beside ALiBi, a window or varlen, or "
+                f"block_m={spec.block_m}, {dims}: with a score_mod, softcap beside ALiBi, a window or varlen, or "
                 f"(at block_m=128) softcap a block_n=128 "
                 f"consumer thread needs {SCORE_REGISTERS} registers more than its {held} fp32 accumulators ({holds}), past "
                 f"the 192 that fit; use block_m=64 (at head_dim <= 64) or block_n=64 (the split layout)"
             )
         if held > 192:
             raise SpecError(
-                f"block_m={spec.block_m}, head_dim={spec.head_dim}: a consumer thread would hold {held} fp32 "
+                f"block_m={spec.block_m}, {dims}: a consumer thread would hold {held} fp32 "
                 f"accumulators ({holds}); at most 192 fit in its 240 registers (use block_m=64)"
             )
         if self.has_dq(spec) and not self.split(spec) and spec.block_m * pad > MAX_DQ_PIECES * PIECE * PIECE:
             raise SpecError(
                 f"block_m={spec.block_m}, head_dim={spec.head_dim}: the dQ tile of a step ({spec.block_m} x {pad}) "
                 f"must be at most {MAX_DQ_PIECES} pieces of {PIECE} x {PIECE}, one per consumer warpgroup (use block_m=64)"
+            )
+        # (validate says it for the others, in head_dim's words)
+        if spec.head_dim_v and (size := self.smem(spec).size) > (limit := SMEM_LIMIT[spec.arch]):
+            raise SpecError(
+                f"block_m={spec.block_m}, block_n={spec.block_n}, num_stages={spec.num_stages}, {dims}: needs {size} "
+                f"bytes of shared memory (K and Q tiles of {pad} columns, V and dO tiles of {v_pad}), more than the "
+                f"{limit} a block may use on {spec.arch}"
             )
 
     def threads(self, spec: KernelSpec) -> int:
@@ -194,13 +216,15 @@ class HopperBackward(Family):
         return self._layout(spec, self.do_stages(spec))
 
     def _layout(self, spec: KernelSpec, do_stages: int) -> SmemLayout:
-        chunks = self.head_dim_pad(spec) // 64
-        q_tile = chunks * spec.block_m * 128  # Q or dO: [chunk][BLOCK_M rows][64 columns], swizzled
-        kv_tile = chunks * spec.block_n * 128
+        chunks, v_chunks = self.head_dim_pad(spec) // 64, self.d_v_pad(spec) // 64  # Q and K's; V and dO's
+        q_tile = chunks * spec.block_m * 128  # Q (dO: v_chunks): [chunk][BLOCK_M rows][64 columns], swizzled
+        do_tile = v_chunks * spec.block_m * 128
+        k_tile = chunks * spec.block_n * 128  # K (V: v_chunks); dK and dV are staged in them at the end
+        v_tile = v_chunks * spec.block_n * 128
         stats = spec.block_m * 4
         regions = [
-            Region("k", kv_tile, align=1024), Region("v", kv_tile, align=1024),
-            Region("q", spec.num_stages * q_tile, align=1024), Region("do", do_stages * q_tile, align=1024),
+            Region("k", k_tile, align=1024), Region("v", v_tile, align=1024),
+            Region("q", spec.num_stages * q_tile, align=1024), Region("do", do_stages * do_tile, align=1024),
             Region("lse", spec.num_stages * stats), Region("delta", do_stages * stats),
         ]
         if self.split(spec):
@@ -241,9 +265,13 @@ class HopperBackward(Family):
             *variants.params(spec, (spec.block_m, spec.block_n, True)),  # a mask rule's lists: per key tile
         ]
         if spec.varlen:  # packed tensors; a sequence's last dK and dV rows may leave as plain stores
+            # dK and dV share their strides (dkv_row, dkv_head) unless V's head dim is its own
+            # (dk_row, dk_head and dv_row, dv_head then)
+            dkv = [*strides("dk", "dk", dims=PACKED), *strides("dv", "dv", dims=PACKED)] if spec.head_dim_v else \
+                strides("dkv", "dk", dims=PACKED)
             return Params(self.arguments, [
                 *maps,
-                pointer("dk", "elem_t*"), pointer("dv", "elem_t*"), *strides("dkv", "dk", dims=PACKED),
+                pointer("dk", "elem_t*"), pointer("dv", "elem_t*"), *dkv,
                 pointer("lse_log2", "const float*"), pointer("delta", "const float*"),  # [heads, padded_q]
                 *sequences(),
                 scalar("padded_q", "int", "delta.shape[1]"),
@@ -268,10 +296,12 @@ class HopperBackward(Family):
 
     def context(self, spec: KernelSpec) -> dict:
         return {**super().context(spec), "wgmma": True, "has_dq": self.has_dq(spec), "stats_pad": STATS_PAD,
-                "head_dim_pad": self.head_dim_pad(spec), "split": self.split(spec), "do_stages": self.do_stages(spec),
+                "head_dim_pad": self.head_dim_pad(spec), "d_v_pad": self.d_v_pad(spec),
+                "split": self.split(spec), "do_stages": self.do_stages(spec),
                 "capped_first": capped_first(spec),
                 # finish_before_wait after P^T: with a mask rule's per-element test ahead of the dP^T
-                # wait too, bwd_sm90_kv spilled at d = 96 and 128 (CPU compile sweep)
+                # wait too, bwd_sm90_kv spilled at d = 96 and 128 (CPU compile sweep; head_dim 64 or 32
+                # beside head_dim_v 128 fits)
                 "p_under_dp": not spec.mask_mod or self.head_dim_pad(spec) <= 64,
                 **(block_mask_lists(key_major=True) if spec.mask_mod else {})}
 
