@@ -200,6 +200,8 @@ def _entries(ctx, param, value):
               callback=_words(("contiguous", "paged")),
               help="KV cache layouts of kvcache calls (one kernel serves every page size and split count); paged "
                    "also makes varlen's kernels over a block table")
+@click.option("--dv", "head_dim_v", type=int, default=0,
+              help="V's head dim where it differs from q's (DeepSeek's --d 192 --dv 128); attention and varlen calls")
 @click.option("--rotary", default="none", show_default=True, callback=_words(("none", *ROTARY_STYLES)),
               help="rotary styles of kvcache calls, comma-separated: none, interleaved (GPT-J), halves (GPT-NeoX)")
 @click.option("--from", "recorded", type=click.Path(dir_okay=False),
@@ -213,7 +215,7 @@ def _entries(ctx, param, value):
               help="parallel compile processes (default: one per core)")
 @click.option("--with-backward/--no-backward", default=True, show_default=True,
               help="also build the backward kernels (fast and deterministic) of attention and varlen")
-def build(out, jobs, with_backward, entries, layouts, rotary, recorded, spec_texts, dry_run, **options):
+def build(out, jobs, with_backward, entries, layouts, head_dim_v, rotary, recorded, spec_texts, dry_run, **options):
     """Compile kernels ahead of time into a folder a deployment loads with flashgen.load(FOLDER).
 
     By default it makes every kernel flashgen.attention can pick for the head dims, dtypes and masks
@@ -225,7 +227,7 @@ def build(out, jobs, with_backward, entries, layouts, rotary, recorded, spec_tex
     from . import aot
 
     try:
-        specs = _build_specs(entries, layouts, rotary, recorded, spec_texts, with_backward, options)
+        specs = _build_specs(entries, layouts, head_dim_v, rotary, recorded, spec_texts, with_backward, options)
         backward = with_backward and not (recorded or spec_texts)
         plan = aot.with_backward(specs) if backward else specs
     except SpecError as error:
@@ -249,7 +251,7 @@ def build(out, jobs, with_backward, entries, layouts, rotary, recorded, spec_tex
     _print_kernels(metas, f"built into {out}/")
 
 
-def _build_specs(entries, layouts, rotary, recorded, spec_texts, with_backward, options) -> list:
+def _build_specs(entries, layouts, head_dim_v, rotary, recorded, spec_texts, with_backward, options) -> list:
     """What `build` makes: the recorded or named specs, else the workload its options describe,
     else (tile options given) the attention forward kernels of those tiles."""
     from . import workload
@@ -269,6 +271,8 @@ def _build_specs(entries, layouts, rotary, recorded, spec_texts, with_backward, 
         raise click.UsageError("Missing option '--d' (or --from FILE / --spec JSON)")
     variants = options.pop("variant")
     if any(options[tiles] for tiles in ("blocks_m", "blocks_n", "warps", "stages")):
+        if head_dim_v:
+            raise click.UsageError("--dv goes with a workload's description, not with --block, --block-n, --warps, --stages")
         if entries != ["attention"]:
             raise click.UsageError("--block, --block-n, --warps and --stages pick attention's forward tiles: "
                                    "not with --entry " + ",".join(entries))
@@ -277,14 +281,16 @@ def _build_specs(entries, layouts, rotary, recorded, spec_texts, with_backward, 
         raise click.UsageError("--no-causal contradicts --causal " + ",".join(options["causal"]))
     if rotary != ["none"] and "kvcache" not in entries:
         raise click.UsageError("--rotary turns attention_with_kvcache's queries and keys: add --entry kvcache")
-    if len(layouts) < len(workload.LAYOUTS) and not {"kvcache", "varlen"} & set(entries):
+    if head_dim_v and "varlen" in entries and "paged" in layouts:
+        layouts = [layout for layout in layouts if layout != "paged"]  # (no paged cache with V of its own head dim)
+    if len(layouts) < len(workload.LAYOUTS) and not {"kvcache", "varlen"} & set(entries) and not head_dim_v:
         raise click.UsageError("--kvcache names the caches of attention_with_kvcache and attention_varlen: add "
                                "--entry kvcache or varlen")
     return workload.Workload(
         head_dims=tuple(options["head_dims"]), dtypes=tuple(options["dtypes"]),
         causal=(False,) if options["no_causal"] else tuple(c == "yes" for c in options["causal"]),
         archs=tuple(options["archs"]), entries=tuple(entries), variants=tuple(variants), layouts=tuple(layouts),
-        rotary=tuple("" if style == "none" else style for style in rotary), backward=with_backward,
+        rotary=tuple("" if style == "none" else style for style in rotary), backward=with_backward, head_dim_v=head_dim_v,
     ).specs()
 
 

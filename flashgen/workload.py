@@ -40,7 +40,8 @@ class Workload:
     calls use together, () for plain calls. layouts: the KV layouts of kvcache
     ("contiguous", "paged") and whether varlen reads a paged cache ("paged"). rotary: the rotary
     styles of kvcache calls ("" = none). backward: attention's and varlen's backward kernels, in
-    both modes (deterministic or not).
+    both modes (deterministic or not). head_dim_v: V's head dim where the calls' V has one of its
+    own (DeepSeek's 192 / 128), 0 where it has q's; attention and varlen take it, without a paged cache.
     """
 
     head_dims: tuple[int, ...]
@@ -52,6 +53,7 @@ class Workload:
     layouts: tuple[str, ...] = LAYOUTS
     rotary: tuple[str, ...] = ("",)
     backward: bool = True
+    head_dim_v: int = 0
 
     def __post_init__(self):
         for name, values, allowed in (("entries", self.entries, ENTRIES), ("layouts", self.layouts, LAYOUTS),
@@ -59,6 +61,11 @@ class Workload:
             unknown = [value for value in values if value not in allowed]
             if unknown:
                 raise SpecError(f"{name}: {', '.join(map(repr, unknown))} not among {', '.join(map(repr, allowed))}")
+        if self.head_dim_v:
+            other = [entry for entry in self.entries if entry not in ("attention", "varlen")]
+            if other or ("varlen" in self.entries and "paged" in self.layouts):
+                raise SpecError(f"head_dim_v={self.head_dim_v}: V of its own head dim goes through attention and varlen over "
+                                f"packed keys only (not {', '.join(other) or 'varlen over a paged cache'})")
         for variant in self.variants:
             unknown = [field for field in variant if field not in VARIANT_FIELDS]
             if unknown:
@@ -76,17 +83,18 @@ class Workload:
 
 def _attention(workload: Workload, head_dim, dtype, causal, arch, variant, varlen=False) -> list[KernelSpec]:
     """The forward for short and long queries (plans.forward) and, with backward, its backward."""
-    specs = [tuning.forward_spec(head_dim, dtype, causal, arch, seqlen_q, varlen, variant)
+    head_dim_v = workload.head_dim_v if workload.head_dim_v != head_dim else 0
+    specs = [tuning.forward_spec(head_dim, dtype, causal, arch, seqlen_q, varlen, variant, head_dim_v)
              for seqlen_q in (tuning.SHORT_QUERY, tuning.SHORT_QUERY + 1)]
-    return specs + (_backward(head_dim, dtype, causal, arch, variant, varlen) if workload.backward else [])
+    return specs + (_backward(head_dim, dtype, causal, arch, variant, varlen, head_dim_v) if workload.backward else [])
 
 
-def _backward(head_dim, dtype, causal, arch, variant, varlen) -> list[KernelSpec]:
+def _backward(head_dim, dtype, causal, arch, variant, varlen, head_dim_v=0) -> list[KernelSpec]:
     """plans.backward's kernels in both modes: the prep, the tables' kernels, and the reader of a
     dQ sum where one runs."""
-    specs = [tuning.backward_prep(head_dim, dtype, arch, varlen)]
+    specs = [tuning.backward_prep(head_dim_v or head_dim, dtype, arch, varlen)]
     for deterministic in (False, True):
-        picked = tuning.backward_specs(head_dim, dtype, causal, arch, deterministic, varlen, variant)
+        picked = tuning.backward_specs(head_dim, dtype, causal, arch, deterministic, varlen, variant, head_dim_v)
         specs += picked + [reader for reader in (spec.family.dq_reader(spec) for spec in picked) if reader]
     return list(dict.fromkeys(specs))
 
@@ -95,7 +103,7 @@ def backward_of(forward: KernelSpec) -> list[KernelSpec]:
     """The backward kernels (both modes) that run after a forward kernel, for the same problem."""
     variant = (*forward.variants,
                *((rule, getattr(forward, rule)) for rule in ("score_mod", "mask_mod") if getattr(forward, rule)))
-    return _backward(forward.head_dim, forward.dtype, forward.causal, forward.arch, variant, forward.varlen)
+    return _backward(forward.head_dim, forward.dtype, forward.causal, forward.arch, variant, forward.varlen, forward.head_dim_v)
 
 
 def _decode(head_dim, dtype, arch, paged, variant, rotary="", varlen=False) -> list[KernelSpec]:
@@ -161,7 +169,9 @@ def describing(spec: KernelSpec) -> Workload | None:
     if spec.varlen:
         entry = "varlen"
     variant = spec.variants
-    workload = Workload(
+    if spec.head_dim_v and entry not in ("attention", "varlen"):  # (a piece no description holds)
+        return None
+    workload = Workload(head_dim_v=spec.head_dim_v,
         head_dims=(spec.head_dim,), dtypes=(spec.dtype,), causal=(spec.causal,), archs=(spec.arch,), entries=(entry,),
         variants=(variant,), layouts=("paged",) if spec.kind == "decode_paged" else ("contiguous",),
         rotary=(spec.rotary,), backward=not spec.family.forward and spec.kind not in ("decode", "decode_paged", "merge",
@@ -185,6 +195,8 @@ def command(spec: KernelSpec, out: str = "generated") -> str:
 def options(workload: Workload) -> list[str]:
     """`flashgen build`'s options for a workload (the defaults left out)."""
     words = ["--d", ",".join(map(str, workload.head_dims))]
+    if workload.head_dim_v:
+        words += ["--dv", str(workload.head_dim_v)]
     if workload.dtypes != ("bf16",):
         words += ["--dtype", ",".join(workload.dtypes)]
     if workload.causal != (False,):

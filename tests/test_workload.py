@@ -83,6 +83,20 @@ def test_the_default_build_is_attention_forward_and_backward_for_every_query_len
     assert any(name.startswith("fwd_d64_m64") for name in listed)  # the short-query forward (64 rows or fewer)
 
 
+def test_a_build_with_v_s_own_head_dim_makes_what_the_plans_pick(picked):
+    for seqlen_q, deterministic in product((1, 64, 65, 4096), (False, True)):
+        plans.forward(0, 192, torch.bfloat16, True, seqlen_q, "", head_dim_v=128)
+        plans.forward_varlen(0, 192, torch.bfloat16, True, seqlen_q, "", head_dim_v=128)
+        plans.backward(0, 192, torch.bfloat16, True, deterministic, "", head_dim_v=128)
+        plans.backward_varlen(0, 192, torch.bfloat16, True, deterministic, "", head_dim_v=128)
+    built = set(Workload(head_dims=(192,), causal=(True,), entries=("attention", "varlen"), layouts=("contiguous",),
+                         head_dim_v=128).specs())
+    assert picked.specs == built
+    assert tuning.backward_prep(128, "bf16", "sm_90a") in built  # the prep reads O and dO, at V's head dim
+    with pytest.raises(SpecError, match="head_dim_v=128: V of its own head dim goes through attention and varlen"):
+        Workload(head_dims=(192,), entries=("kvcache",), head_dim_v=128)
+
+
 # ---- the command a NoJitError names -----------------------------------------------------------------
 
 RULE = '{"cuda":"kv_idx <= q_idx + 3","per_batch":false,"per_head":false,"tensors":[]}'
@@ -94,6 +108,8 @@ MISSING = [
     tuning.forward_spec(128, "bf16", False, "sm_80", seqlen_q=4096, variant=("softcap",)),
     tuning.backward_specs(64, "bf16", True, "sm_90a", deterministic=True, varlen=True)[-1],
     tuning.merge_spec("merge_fp32", 128, "bf16", "sm_90a"),
+    tuning.forward_spec(192, "bf16", True, "sm_90a", seqlen_q=4096, head_dim_v=128),  # V of its own head dim
+    tuning.backward_specs(192, "bf16", False, "sm_90a", deterministic=True, varlen=True, head_dim_v=128)[-1],
     KernelSpec(head_dim=64, block_m=128, block_n=32, kind="fwd", arch="sm_80"),  # a tile the tables never pick
     KernelSpec(head_dim=8, kind="block_mask", block_m=64, block_n=64, causal=True, mask_mod=RULE),  # a user rule's
 ]
