@@ -171,12 +171,20 @@ def test_a_static_cache_s_empty_slots_are_cut(oracle):
 
 
 @pytest.mark.parametrize("v_head_dim", [8, 32])
-def test_values_of_another_head_dim(oracle, v_head_dim):
-    """V narrower than q and k (MLA) is padded and the output cropped; V wider pads q and k with
-    zeros, which leave the scores and the default scale (q's head dim) as they were."""
+def test_values_of_another_head_dim(monkeypatch, v_head_dim):
+    """V narrower than q and k (MLA) or wider goes to the kernels as it is (they take a head dim of
+    V's own), with the default scale q's head dim's."""
+    seen = []
+
+    def attention(q, k, v, **keywords):
+        seen.append((q.shape[-1], v.shape[-1]))
+        return oracle_attention(q, k, v, **keywords)
+
+    monkeypatch.setattr(hook, "_kernels", lambda: (attention, oracle_varlen))
     q, k, _ = qkv(batch=1)
     v = torch.randn(1, 2, 7, v_head_dim, generator=torch.Generator().manual_seed(5))
     out, _ = hook.attention_forward(MODULE, q, k, v, None)
+    assert seen == [(16, v_head_dim)]  # nothing padded
     scores = torch.matmul(q, k.repeat_interleave(2, 1).transpose(-1, -2)) * 16**-0.5
     scores = scores.masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf"))
     expected = torch.matmul(scores.softmax(-1), v.repeat_interleave(2, 1)).transpose(1, 2)
