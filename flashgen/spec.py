@@ -89,6 +89,9 @@ class KernelSpec:
     varlen:     packed sequences of different lengths (flash_attn_varlen_func's layout): tensors are
                 (total_tokens, heads, d) and each sequence's rows are found through cu_seqlens
                 (templates/block_info.cuh.j2); blocks past a sequence's end exit at once.
+    paged:      with varlen, k and v are a paged cache (num_pages, page_size, heads_kv, d) that a
+                block table maps each sequence's key positions into (Hopper forward: chunked
+                prefill over a paged cache); the decode kernels' paged form is their kind instead.
 
     variants:   the attention variants the kernel has, by name (flashgen.variants.FIELDS; the
                 registry there declares each); their values are kernel arguments, so one kernel
@@ -114,6 +117,7 @@ class KernelSpec:
     persistent: bool = False
     exp2_fma: int = 0
     varlen: bool = False
+    paged: bool = False
     variants: tuple[str, ...] = ()
     score_mod: str = ""
     mask_mod: str = ""
@@ -136,7 +140,7 @@ class KernelSpec:
             raise SpecError(f"exp2_fma={self.exp2_fma}: must be in [0, 8] (exponentials of every 8 on the FMA pipes)")
         if self.dtype not in DTYPES:
             raise SpecError(f"dtype={self.dtype!r}: must be one of {', '.join(DTYPES)}")
-        for field in ("causal", "persistent", "varlen"):
+        for field in ("causal", "persistent", "varlen", "paged"):
             if not isinstance(getattr(self, field), bool):
                 raise SpecError(f"{field}={getattr(self, field)!r}: must be True or False")
         try:  # (a list, as JSON gives it, or names in any order: the registry's order, each once)

@@ -119,6 +119,7 @@ ALTERNATIVE = {
     "exp2_fma": 3,
     "varlen": True,
     "head_dim_v": 32,
+    "paged": True,
     "variants": ("window",),
     "score_mod": '{"cuda":"score * 2.f","grad":"2.f","tensors":[]}',
     "mask_mod": '{"cuda":"q_idx >= kv_idx","per_batch":false,"per_head":false,"tensors":[]}',
@@ -127,7 +128,8 @@ ALTERNATIVE = {
 # Fields the mma.sync forward does not use change a spec of a family that does.
 _HOPPER = KernelSpec(head_dim=64, block_m=128, block_n=128, kind="fwd_sm90")
 _DECODE = KernelSpec(head_dim=64, block_m=16, block_n=64, kind="decode", num_stages=3)
-BASE_FOR = {"persistent": _HOPPER, "exp2_fma": _HOPPER, "rotary": _DECODE}
+_PACKED_HOPPER = KernelSpec(head_dim=64, block_m=128, block_n=128, kind="fwd_sm90", varlen=True)
+BASE_FOR = {"persistent": _HOPPER, "exp2_fma": _HOPPER, "rotary": _DECODE, "paged": _PACKED_HOPPER}
 
 
 def key(spec):

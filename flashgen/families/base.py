@@ -30,13 +30,14 @@ NAME_PARTS = {
     "persistent": None,  # "persistent", or nothing
     "exp2_fma": "e{}",  # or nothing when 0
     "varlen": None,  # "varlen", or nothing
+    "paged": None,  # "paged", or nothing
     "variants": None,  # the variants' names, or nothing
     "score_mod": None,  # "smod" / "mmod" + a hash of the rule's source, or nothing
     "mask_mod": None,
     "rotary": None,  # "rope_" + its style, or nothing
 }
 MODIFIER_TAG = {"score_mod": "smod", "mask_mod": "mmod"}
-FLAGS = ("persistent", "varlen")  # named when set
+FLAGS = ("persistent", "varlen", "paged")  # named when set
 
 
 def modifier_context(spec: KernelSpec) -> dict:
@@ -77,7 +78,7 @@ class Family:
     kinds: tuple[str, ...] = ()
     template: str = ""
     # the spec fields the kernel's code depends on, and the variants (flashgen.variants) it builds
-    fields: tuple[str, ...] = (*(f for f in NAME_PARTS if f not in ("variants", "rotary")), *variants.EVERYWHERE)
+    fields: tuple[str, ...] = (*(f for f in NAME_PARTS if f not in ("variants", "rotary", "paged")), *variants.EVERYWHERE)
     arguments: tuple[str, ...] = ()  # the launch's named arguments, from which parameters are computed
     forward = False  # a forward kernel: what attention() runs and `flashgen build` makes importable
     needs: tuple[str, ...] = ()  # the hardware its kernels use (flashgen.axes.Target's flags): it builds for the targets that have it
@@ -233,7 +234,7 @@ class MmaTiles(Family):
     registers."""
 
     owner = "block_m"
-    fields = (*(field for field in NAME_PARTS if field not in ("persistent", "exp2_fma", "rotary", "variants")),  # one block per tile
+    fields = (*(field for field in NAME_PARTS if field not in ("persistent", "exp2_fma", "rotary", "variants", "paged")),  # one block per tile
               *variants.EVERYWHERE)
     max_accumulators = 192  # fp32 accumulators per thread that fit in 255 registers with room to spare
     builtins_free = False  # the family's tiles hold the built-in variants at no cost (a rule still costs)

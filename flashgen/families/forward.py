@@ -20,7 +20,7 @@ def forward_outputs_and_sizes(spec: KernelSpec) -> list[Param]:
         return [
             pointer("lse", "float*", optional=True),  # [heads, total_q] fp32, or null
             *sequences(),
-            scalar("kv_group", "int", "q.shape[1] // k.shape[1]"),
+            scalar("kv_group", "int", f"q.shape[1] // k.shape[{2 if spec.paged else 1}]"),  # (a paged cache's heads: dim 2)
             scale_log2, *variants.params(spec, (spec.block_m, spec.block_n, False)),
         ]
     return [

@@ -7,8 +7,10 @@ and ping-pong between the consumer warpgroups. O leaves through shared memory wi
 
 from __future__ import annotations
 
+import math
+
 from .. import variants
-from ..params import Param, Params, scalar, strides, tensormap
+from ..params import Param, Params, pointer, scalar, strides, tensormap
 from ..smem import Region, SmemLayout
 from ..spec import SMEM_LIMIT, KernelSpec, SpecError
 from .base import Family, block_mask_lists, check_rules_fixed_length
@@ -35,6 +37,12 @@ def tensor_map_helper() -> dict:
     return {"tensor_map": tensor_map}
 
 
+def page_rows(cache, block_n: int) -> int:
+    """Rows of a paged cache one TMA load takes: the largest count that divides both the page size
+    and the key tile (both multiples of 16), so no load crosses a page or a tile's end."""
+    return math.gcd(cache.shape[1], block_n)
+
+
 _sm_counts: dict[int, int] = {}
 
 
@@ -56,8 +64,10 @@ class HopperForward(Family):
     needs = HOPPER_NEEDS
     template = "attention_fwd_sm90.cu.j2"
     fields = ("head_dim", "head_dim_v", "block_m", "block_n", "dtype", "causal", "num_stages", "arch", "persistent", "exp2_fma", "varlen",
+              "paged",
               *variants.EVERYWHERE, "score_mod", "mask_mod")
-    arguments = ("q", "k", "v", "o", "lse", "scale", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", *variants.ARGUMENTS)
+    arguments = ("q", "k", "v", "o", "lse", "scale", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "block_table",
+                 *variants.ARGUMENTS)
     forward = True
     tune_space = {"block_m": (128, 192), "block_n": (64, 80, 96, 112, 128, 144, 160, 176), "num_stages": (2, 3),
                   "persistent": (False, True)}
@@ -85,6 +95,8 @@ class HopperForward(Family):
         if spec.num_stages not in (2, 3, 4):
             raise SpecError(f"num_stages={spec.num_stages}: must be one of (2, 3, 4)")
         check_rules_fixed_length(spec)
+        if spec.paged and not spec.varlen:
+            raise SpecError("paged=True: the paged Hopper forward takes packed sequences (varlen=True)")
         if spec.varlen and spec.persistent:
             raise SpecError("varlen=True, persistent=True: the varlen Hopper forward runs one tile per CTA (persistent=False)")
         held = self.accumulators(spec)
@@ -138,6 +150,19 @@ class HopperForward(Family):
         return SmemLayout([Region("q", max(q_tile, o_tile), align=1024), *rest])  # O staged over Q
 
     def params(self, spec: KernelSpec) -> Params:
+        if spec.paged:  # k, v: (num_pages, page_size, heads_kv, d) caches, seen as (pages, heads_kv, page_size, d)
+            return Params(self.arguments, [
+                tensormap("q_map", f"tensor_map(q, {spec.block_m})"),
+                tensormap("k_map", f"tensor_map(k.transpose(1, 2), page_rows(k, {spec.block_n}))"),
+                tensormap("v_map", f"tensor_map(v.transpose(1, 2), page_rows(k, {spec.block_n}))"),
+                tensormap("o_map", "tensor_map(o, 64)"),
+                Param("o_ptr", "elem_t* __restrict__", "ptr", "o.data_ptr()", "o"), *strides("o", "o", dims=PACKED),
+                # sequence b's key position pos is row pos % page_size of page block_table[b][pos / page_size]
+                pointer("block_table", "const int*"), scalar("table_stride", "i64", "block_table.stride(0)"),
+                scalar("max_blocks", "int", "block_table.shape[1]"), scalar("page_size", "int", "k.shape[1]"),
+                scalar("page_rows", "int", f"page_rows(k, {spec.block_n})"),
+                *forward_outputs_and_sizes(spec),
+            ])
         if spec.varlen:  # packed (total, heads, d) tensors: maps of a batch of one, and O's own strides
             return Params(self.arguments, [
                 tensormap("q_map", f"tensor_map(q, {spec.block_m})"),
@@ -158,7 +183,7 @@ class HopperForward(Family):
         ])
 
     def helpers(self, spec: KernelSpec) -> dict:
-        return {**super().helpers(spec), **tensor_map_helper(), "sm_count": _sm_count}
+        return {**super().helpers(spec), **tensor_map_helper(), "sm_count": _sm_count, "page_rows": page_rows}
 
     @staticmethod
     def _tiles(spec: KernelSpec) -> str:
