@@ -357,6 +357,15 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         return o, lse
     device = q.get_device()
     max_seqlen_q = min(max_seqlen_q, total_q)  # no sequence is longer than the packed tensor (sizes the grid)
+    prefill = plans.paged_prefill(device, head_dim, q.dtype, causal, max_seqlen_q, variant.fields)
+    if prefill is not None:  # long query chunks: the Hopper forward, its producer reading the pages
+        values = {"q": aligned(q), "k": k_cache, "v": v_cache, "o": o, "lse": lse, "scale": scale,
+                  "cu_seqlens_q": cu_seqlens_q.contiguous(), "cu_seqlens_k": cu_seqlens_k.contiguous(),
+                  "max_seqlen_q": max_seqlen_q, "block_table": block_table.contiguous()}
+        if variant.args:
+            values.update(variant.values())
+        prefill.run(device, values)
+        return o, lse
     capacity = block_table.shape[1] * page_size
     plan, splits = plans.decode(device, head_dim, q.dtype, True, max_seqlen_q * (heads // kv_heads), batch, kv_heads,
                                 min(max_seqlen_k, capacity), 0, variant.fields, "", True)

@@ -255,6 +255,17 @@ def forward_varlen(device: int, head_dim: int, dtype: torch.dtype, causal: bool,
     return plan
 
 
+def paged_prefill(device: int, head_dim: int, dtype: torch.dtype, causal: bool, max_seqlen_q: int,
+                  variant: tuple[str, ...] = ()) -> Plan | None:
+    """attention_varlen over a paged cache with long query chunks: the Hopper forward reading pages
+    (tuning.paged_forward_spec), or None where the decode plan's varlen kernel runs instead."""
+    key = ("paged_prefill", device, head_dim, dtype, causal, tuning.query_bucket(max_seqlen_q), variant)
+    if key not in _plans:
+        spec = tuning.paged_forward_spec(head_dim, DTYPES[dtype], causal, device_arch(device), max_seqlen_q, variant)
+        _plans[key] = Plan((Launch(kernels.get(spec)),), whole=True) if spec else None
+    return _plans[key]
+
+
 def _varlen_stats(values: dict) -> tuple:
     """[heads, padded_q]: each sequence's rows on whole tiles (block_info's stats_rows)."""
     total_q, heads, _ = values["q"].shape

@@ -270,6 +270,19 @@ def forward_spec(head_dim: int, dtype: str, causal: bool, arch: str, seqlen_q: i
     return mma_forward_spec(head_dim, dtype, causal, arch, seqlen_q, varlen, variant, head_dim_v)
 
 
+def paged_forward_spec(head_dim: int, dtype: str, causal: bool, arch: str, seqlen_q: int, variant: tuple[str, ...] = (),
+                       head_dim_v: int = 0) -> KernelSpec | None:
+    """The Hopper forward over a paged cache (chunked prefill: packed queries whose longest sequence
+    has more than SHORT_QUERY rows) on targets that build it, or None where the decode kernels'
+    varlen form runs instead (short queries, other targets, a variant without Hopper tiles)."""
+    if not builds_for("fwd_sm90", arch) or query_bucket(seqlen_q) or not takes("fwd_sm90", variant):
+        return None
+    try:
+        return _first_valid("fwd_sm90", head_dim, dtype, causal, arch, "long", True, variant, head_dim_v).replace(paged=True)
+    except SpecError:
+        return None
+
+
 def mma_forward_spec(head_dim: int, dtype: str, causal: bool, arch: str, seqlen_q: int, varlen: bool = False,
                      variant: tuple[str, ...] = (), head_dim_v: int = 0) -> KernelSpec:
     return _first_valid("fwd", head_dim, dtype, causal, arch, bucket_name(seqlen_q), varlen, variant, head_dim_v)

@@ -114,8 +114,10 @@ def _decode(head_dim, dtype, arch, paged, variant, rotary="", varlen=False) -> l
 
 def _varlen(workload: Workload, head_dim, dtype, causal, arch, variant) -> list[KernelSpec]:
     specs = _attention(workload, head_dim, dtype, causal, arch, variant, varlen=True)
-    if "paged" in workload.layouts:  # attention_varlen over a block table: the decode kernels' varlen form
-        specs += _decode(head_dim, dtype, arch, True, variant, varlen=True)
+    if "paged" in workload.layouts:  # attention_varlen over a block table: the decode kernels' varlen form,
+        specs += _decode(head_dim, dtype, arch, True, variant, varlen=True)  # and for long chunks the Hopper forward
+        specs += [spec for spec in [tuning.paged_forward_spec(head_dim, dtype, causal, arch, tuning.SHORT_QUERY + 1, variant)]
+                  if spec]
     return specs
 
 

@@ -628,3 +628,16 @@ def test_paged_input_errors_are_named(changes, error, message):
 def test_a_paged_call_without_gradients_reaches_the_device_check():
     with torch.no_grad(), pytest.raises(ValueError, match="runs on NVIDIA GPUs"):
         flashgen.attention_varlen(**paged_inputs(q=torch.zeros(9, 4, 64, dtype=torch.bfloat16, requires_grad=True)))
+
+
+def test_long_chunks_over_a_paged_cache_pick_the_hopper_forward_reading_pages():
+    spec = tuning.paged_forward_spec(128, "bf16", True, "sm_90a", 2048, ("window",))
+    assert spec.kind == "fwd_sm90" and spec.varlen and spec.paged and spec.variants == ("window",)
+    assert tuning.paged_forward_spec(128, "bf16", True, "sm_90a", 64) is None  # short chunks: the decode kernels
+    assert tuning.paged_forward_spec(128, "bf16", True, "sm_80", 4096) is None  # no Hopper forward there
+    source = render(spec)
+    assert "__ldg(pages + pos / page_size)" in source and "for (int r = 0; r < BLOCK_N; r += page_rows)" in source
+    binary = compile_source(spec, source)
+    assert binary.resources.spill_stores == 0
+    with pytest.raises(SpecError, match="paged=True: the paged Hopper forward takes packed sequences"):
+        spec.replace(varlen=False)

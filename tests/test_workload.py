@@ -56,6 +56,7 @@ def run_every_plan(head_dim, dtype, causal, variant):
         plans.decode(0, head_dim, torch_dtype, paged, rows, 2, 2, 8192, splits, variant, rotary)
     for rows in (1, 16, 17, 300):
         plans.decode(0, head_dim, torch_dtype, True, rows, 3, 1, 4096, 0, variant, "", True)
+        plans.paged_prefill(0, head_dim, torch_dtype, causal, rows, variant)
     plans.merge(0, head_dim, torch_dtype)
     plans.merge(0, head_dim, torch.float32)
 

@@ -1,0 +1,52 @@
+"""GPU tier: chunked prefill over a paged cache on the Hopper forward (attention_varlen with a
+block_table and query chunks of more than 64 rows): its producer reads the pages through the block
+table with TMA. Against the fp32 oracle by the numerics rule, over page sizes smaller than, equal
+to and larger than the key tile (and one no power of two), GQA, causal and not, variants, table
+entries past a sequence's pages that point anywhere; and the plan is the Hopper one."""
+
+import pytest
+import torch
+from test_gpu_decode import PagedVarlen
+
+from flashgen import plans
+
+pytestmark = pytest.mark.gpu
+
+LONG = ([200, 700, 65, 0], [150, 4000, 65, 9])  # every chunk over 64 rows but one empty; a chunk longer than its keys
+
+
+def needs_hopper():
+    if plans.device_arch(0) != "sm_90a":
+        pytest.skip("the paged Hopper forward runs on sm_90a (elsewhere the decode kernels' varlen form does)")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("page_size", [16, 48, 128, 256])
+@pytest.mark.parametrize("shape", [(16, 4, 128), (8, 8, 64), (8, 1, 192)], ids=["gqa-d128", "mha-d64", "mqa-d192"])
+def test_paged_prefill_on_the_hopper_forward(shape, page_size, causal):
+    needs_hopper()
+    heads, kv_heads, head_dim = shape
+    problem = PagedVarlen(*LONG, heads, kv_heads, head_dim, page_size, seed=page_size + head_dim)
+    problem.run(causal=causal)
+    plan = plans.paged_prefill(0, head_dim, torch.bfloat16, causal, problem.max_q)
+    assert plan is not None and "paged" in plan.steps[0].kernel.spec.name
+
+
+@pytest.mark.parametrize("options", [dict(window_size=(300, 0)), dict(softcap=20.0, learnable_sink=True),
+                                     dict(window_size=(100, 0), softcap=30.0)], ids=["window", "softcap-sink", "gemma"])
+def test_paged_prefill_variants(options):
+    needs_hopper()
+    problem = PagedVarlen(*LONG, 8, 2, 128, 32, dtype=torch.float16, seed=5)
+    if options.pop("learnable_sink", False):
+        options["learnable_sink"] = torch.linspace(-2.0, 3.0, 8, device="cuda")
+    problem.run(causal=True, **options)
+
+
+def test_table_entries_past_a_sequence_s_pages_are_never_read():
+    needs_hopper()
+    problem = PagedVarlen(*LONG, 8, 2, 128, 16, seed=9)
+    used = -(-torch.tensor(LONG[1]) // 16)  # pages each sequence's keys take
+    for b, count in enumerate(used.tolist()):
+        tail = problem.block_table[b, count:]  # alternately before the cache's first page and far past its last
+        tail.copy_(torch.where(torch.arange(tail.numel(), device="cuda") % 2 == 0, -1, 1 << 30))
+    problem.run(causal=True)
