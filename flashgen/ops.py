@@ -258,6 +258,11 @@ def kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, paged: bool, 
     if o.numel() == 0:
         return o, lse
     device = q.get_device()
+    if paged and k is None and not rotary and cache_batch_idx is None and cache_leftpad is None:
+        prefill = plans.paged_prefill(device, head_dim, q.dtype, causal, seqlen_q, variant.fields)
+        if prefill is not None:  # a long chunk whose keys the cache holds already: the Hopper forward reads the pages
+            return _paged_chunk(prefill, q, k_cache, v_cache, cache_seqlens, capacity, block_table, o, lse, causal, scale,
+                                variant)
     keys = capacity + seqlen_new
     if variant.args:
         keys = min(keys, variant.keys_seen(seqlen_q) or keys)  # the most one block's windows see
@@ -268,6 +273,28 @@ def kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, paged: bool, 
     if rotary or cache_batch_idx is not None or cache_leftpad is not None:  # (not the usual decode step)
         values.update(decode_extras(cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin))
     plan.run(device, values)
+    return o, lse
+
+
+def _paged_chunk(plan, q, k_cache, v_cache, cache_seqlens, capacity: int, block_table, o, lse, causal, scale, variant):
+    """attention_with_kvcache's chunk of queries over a paged cache that holds its keys, as packed
+    sequences for the paged Hopper forward: sequence b is q[b] over the first cache_seqlens[b] keys
+    of its pages (the kernel clamps each length to [0, capacity], as the decode kernels do)."""
+    batch, seqlen_q, heads, head_dim = q.shape
+    lengths = (cache_seqlens if cache_seqlens is not None else
+               torch.full((batch,), capacity, dtype=torch.int32, device=q.device))  # (None: every page is full)
+    cu_seqlens_k = torch.nn.functional.pad(lengths.to(torch.int64).clamp(0, capacity).cumsum(0), (1, 0)).to(torch.int32)
+    cu_seqlens_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=q.device)
+    packed_lse = torch.empty(heads, batch * seqlen_q, dtype=torch.float32, device=q.device) if lse is not None else None
+    values = {"q": aligned(q.reshape(batch * seqlen_q, heads, head_dim)), "k": k_cache, "v": v_cache,
+              "o": o.view(batch * seqlen_q, heads, head_dim), "lse": packed_lse, "scale": scale,
+              "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": seqlen_q,
+              "block_table": block_table.contiguous()}
+    if variant.args:
+        values.update(variant.values())
+    plan.run(q.get_device(), values)
+    if lse is not None:
+        lse.copy_(packed_lse.view(heads, batch, seqlen_q).transpose(0, 1))
     return o, lse
 
 

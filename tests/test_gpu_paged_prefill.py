@@ -50,3 +50,28 @@ def test_table_entries_past_a_sequence_s_pages_are_never_read():
         tail = problem.block_table[b, count:]  # alternately before the cache's first page and far past its last
         tail.copy_(torch.where(torch.arange(tail.numel(), device="cuda") % 2 == 0, -1, 1 << 30))
     problem.run(causal=True)
+
+
+# ---- attention_with_kvcache: a long chunk over a paged cache that holds its keys -------------------
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("page_size", [16, 256])
+def test_kvcache_chunk_over_pages_on_the_hopper_forward(page_size, causal):
+    """Chunked prefill as vLLM runs it: the chunk's keys already written into the pages, the lengths
+    (cache_seqlens) including them; 300 query rows per sequence (one past 64 would do); out of range
+    lengths are clamped as the decode kernels clamp them."""
+    needs_hopper()
+    from test_gpu_decode import Problem
+
+    problem = Problem(4, 300, 16, 4, 128, [300, 1000, 4097, 5000], page_size=page_size, capacity=4200, seed=page_size)
+    problem.run(causal=causal)
+    assert plans.paged_prefill(0, 128, torch.bfloat16, causal, 300) is not None
+
+
+def test_kvcache_chunk_with_variants_and_the_lse():
+    needs_hopper()
+    from test_gpu_decode import Problem
+
+    problem = Problem(3, 200, 8, 2, 64, [200, 900, 3000], page_size=32, dtype=torch.float16, seed=4)
+    problem.run(causal=True, window_size=(256, 0), softcap=25.0, learnable_sink=torch.linspace(-1.0, 2.0, 8, device="cuda"))
