@@ -150,37 +150,30 @@ class HopperForward(Family):
         return SmemLayout([Region("q", max(q_tile, o_tile), align=1024), *rest])  # O staged over Q
 
     def params(self, spec: KernelSpec) -> Params:
-        if spec.paged:  # k, v: (num_pages, page_size, heads_kv, d) caches, seen as (pages, heads_kv, page_size, d)
-            return Params(self.arguments, [
-                tensormap("q_map", f"tensor_map(q, {spec.block_m})"),
-                tensormap("k_map", f"tensor_map(k.transpose(1, 2), page_rows(k, {spec.block_n}))"),
-                tensormap("v_map", f"tensor_map(v.transpose(1, 2), page_rows(k, {spec.block_n}))"),
-                tensormap("o_map", "tensor_map(o, 64)"),
-                Param("o_ptr", "elem_t* __restrict__", "ptr", "o.data_ptr()", "o"), *strides("o", "o", dims=PACKED),
-                # sequence b's key position pos is row pos % page_size of page block_table[b][pos / page_size]
-                pointer("block_table", "const int*"), scalar("table_stride", "i64", "block_table.stride(0)"),
-                scalar("max_blocks", "int", "block_table.shape[1]"), scalar("page_size", "int", "k.shape[1]"),
-                scalar("page_rows", "int", f"page_rows(k, {spec.block_n})"),
-                *forward_outputs_and_sizes(spec),
-            ])
-        if spec.varlen:  # packed (total, heads, d) tensors: maps of a batch of one, and O's own strides
-            return Params(self.arguments, [
-                tensormap("q_map", f"tensor_map(q, {spec.block_m})"),
-                tensormap("k_map", f"tensor_map(k, {spec.block_n})"),
-                tensormap("v_map", f"tensor_map(v, {spec.block_n})"),
-                tensormap("o_map", "tensor_map(o, 64)"),
-                # partial O tiles leave through plain clipped stores (o_ptr: `o` is the accumulator there)
-                Param("o_ptr", "elem_t* __restrict__", "ptr", "o.data_ptr()", "o"), *strides("o", "o", dims=PACKED),
-                *forward_outputs_and_sizes(spec),
-            ])
-        return Params(self.arguments, [
+        # Fixed-length (B, H, T, d) tensors, or packed (total, H, d) ones seen as a batch of one; with
+        # `paged`, k and v are (num_pages, page_size, heads_kv, d) caches, seen as (pages, heads_kv,
+        # page_size, d), page_rows rows a box.
+        kv_view, kv_rows = ("{}.transpose(1, 2)", f"page_rows(k, {spec.block_n})") if spec.paged else ("{}", spec.block_n)
+        maps = [
             tensormap("q_map", f"tensor_map(q, {spec.block_m})"),
-            tensormap("k_map", f"tensor_map(k, {spec.block_n})"),
-            tensormap("v_map", f"tensor_map(v, {spec.block_n})"),
+            tensormap("k_map", f"tensor_map({kv_view.format('k')}, {kv_rows})"),
+            tensormap("v_map", f"tensor_map({kv_view.format('v')}, {kv_rows})"),
             tensormap("o_map", "tensor_map(o, 64)"),
-            *forward_outputs_and_sizes(spec),
-            *([scalar("num_tiles", "int", self._tiles(spec))] if spec.persistent else []),
-        ])
+        ]
+        if not spec.varlen:
+            return Params(self.arguments, [
+                *maps, *forward_outputs_and_sizes(spec),
+                *([scalar("num_tiles", "int", self._tiles(spec))] if spec.persistent else []),
+            ])
+        # partial O tiles leave through plain clipped stores (o_ptr: `o` is the accumulator there)
+        clipped = [Param("o_ptr", "elem_t* __restrict__", "ptr", "o.data_ptr()", "o"), *strides("o", "o", dims=PACKED)]
+        # sequence b's key position pos is row pos % page_size of page block_table[b][pos / page_size]
+        pages = [
+            pointer("block_table", "const int*"), scalar("table_stride", "i64", "block_table.stride(0)"),
+            scalar("max_blocks", "int", "block_table.shape[1]"), scalar("page_size", "int", "k.shape[1]"),
+            scalar("page_rows", "int", f"page_rows(k, {spec.block_n})"),
+        ] if spec.paged else []
+        return Params(self.arguments, [*maps, *clipped, *pages, *forward_outputs_and_sizes(spec)])
 
     def helpers(self, spec: KernelSpec) -> dict:
         return {**super().helpers(spec), **tensor_map_helper(), "sm_count": _sm_count, "page_rows": page_rows}
