@@ -175,7 +175,7 @@ def describing(spec: KernelSpec) -> Workload | None:
         return None
     workload = Workload(head_dim_v=spec.head_dim_v,
         head_dims=(spec.head_dim,), dtypes=(spec.dtype,), causal=(spec.causal,), archs=(spec.arch,), entries=(entry,),
-        variants=(variant,), layouts=("paged",) if spec.kind == "decode_paged" else ("contiguous",),
+        variants=(variant,), layouts=("paged",) if spec.kind == "decode_paged" or spec.paged else ("contiguous",),
         rotary=(spec.rotary,), backward=not spec.family.forward and spec.kind not in ("decode", "decode_paged", "merge",
                                                                                    "merge_fp32"),
     )

@@ -110,6 +110,7 @@ MISSING = [
     tuning.backward_specs(64, "bf16", True, "sm_90a", deterministic=True, varlen=True)[-1],
     tuning.merge_spec("merge_fp32", 128, "bf16", "sm_90a"),
     tuning.forward_spec(192, "bf16", True, "sm_90a", seqlen_q=4096, head_dim_v=128),  # V of its own head dim
+    tuning.paged_forward_spec(128, "bf16", True, "sm_90a", seqlen_q=2048, variant=("window",)),  # a long chunk over pages
     tuning.backward_specs(192, "bf16", False, "sm_90a", deterministic=True, varlen=True, head_dim_v=128)[-1],
     KernelSpec(head_dim=64, block_m=128, block_n=32, kind="fwd", arch="sm_80"),  # a tile the tables never pick
     KernelSpec(head_dim=8, kind="block_mask", block_m=64, block_n=64, causal=True, mask_mod=RULE),  # a user rule's
