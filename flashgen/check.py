@@ -65,9 +65,9 @@ def _check(kernel, torch) -> bool:
     spec = kernel.spec
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[spec.dtype]
     generator = torch.Generator(device="cuda").manual_seed(20261202)
-    q, k, v = (torch.randn(2, 8, 1000, spec.head_dim, device="cuda", dtype=dtype, generator=generator).requires_grad_()
-               for _ in range(3))
-    d_o = torch.randn(q.shape, device="cuda", dtype=dtype, generator=generator)
+    q, k, v = (torch.randn(2, 8, 1000, d, device="cuda", dtype=dtype, generator=generator).requires_grad_()
+               for d in (spec.head_dim, spec.head_dim, spec.d_v))
+    d_o = torch.randn(v.shape, device="cuda", dtype=dtype, generator=generator)
     variant = variant_arguments(spec, q)
     runs = {
         "flashgen": lambda: kernel(q, k, v, **variant),
@@ -95,20 +95,10 @@ def _check(kernel, torch) -> bool:
 
 
 def variant_arguments(spec, q) -> dict:
-    """Arguments that exercise the variants a kernel was built for (a window of 256 keys, softcap 30,
-    ALiBi's geometric slopes), passed alike to the kernel and to the reference."""
-    arguments = {}
-    if variants.has(spec, "window"):
-        arguments["window_size"] = (256, 0 if spec.causal else 64)
-    if variants.has(spec, "softcap"):
-        arguments["softcap"] = 30.0
-    if variants.has(spec, "alibi"):
-        import torch
-
-        heads = q.shape[1]
-        arguments["alibi_slopes"] = torch.tensor([2 ** (-8 * (h + 1) / heads) for h in range(heads)], device=q.device)
-    return arguments
-
+    """Arguments that exercise the variants a kernel was built for (each declaration's sample: a
+    window of 256 keys, softcap 30, ALiBi's geometric slopes, spread sinks), passed alike to the
+    kernel and to the reference."""
+    return {d.keyword: d.sample(spec, q) for d in variants.on(spec) if d.sample is not None}
 
 if __name__ == "__main__":
     sys.exit(main())

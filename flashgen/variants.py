@@ -62,6 +62,8 @@ class Declaration:
                  for the registers a variant takes in the per-element loops) are not for it.
     gradient:    (its tensor, o, d_o, lse, d_lse, cu_seqlens_q or None) -> the gradient its tensor
                  receives, from the forward's output and lse (a learned sink), or None.
+    sample:      (spec, q) -> a keyword value that exercises it (`python -m flashgen.check` runs a
+                 prebuilt kernel and the oracle with it), or None (a rule: only its author has one).
     """
 
     name: str
@@ -88,6 +90,7 @@ class Declaration:
     backward: bool = True
     plain_tiles: bool = False
     gradient: Callable | None = field(default=None, repr=False)
+    sample: Callable | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -236,21 +239,37 @@ def _rule_params(kind: str):
     return params
 
 
+def _geometric_slopes(q):
+    """ALiBi's slopes for q's heads (the paper's geometric sequence), fp32 on q's device."""
+    import torch
+
+    heads = q.shape[1]
+    return torch.tensor([2 ** (-8 * (h + 1) / heads) for h in range(heads)], device=q.device)
+
+
+def _spread_sinks(q):
+    """A sink per query head, from below the scores to above them."""
+    import torch
+
+    return torch.linspace(-2.0, 4.0, q.shape[1], device=q.device)
+
+
 REGISTRY: tuple[Declaration, ...] = (
     Declaration("window", "window_size", ", sliding window", mask=True, arguments=("window_left", "window_right"),
                 params=_window_params, mask_args=("window_left", "window_right"), holds_causal=True, default=(-1, -1),
                 check=_check_window, op_args=(("window_left", "SymInt", -1), ("window_right", "SymInt", -1)),
                 neutral=lambda call: {"window_left": -1, "window_right": 0 if call.causal else -1}, keys_seen=_window_keys,
-                keyword_schema="SymInt[] window_size"),
+                keyword_schema="SymInt[] window_size", sample=lambda spec, q: (256, 0 if spec.causal else 64)),
     Declaration("softcap", "softcap", ", soft-capped scores", score="pointwise", grad=True, tuning_key="softcap",
                 arguments=("softcap",), params=_softcap_params, default=0.0, check=_check_softcap,
-                op_args=(("softcap", "float", 0.0),), keyword_schema="float softcap"),
+                op_args=(("softcap", "float", 0.0),), keyword_schema="float softcap", sample=lambda spec, q: 30.0),
     Declaration("alibi", "alibi_slopes", ", ALiBi", score="positional", arguments=("alibi_slopes",), params=_alibi_params,
-                check=_check_alibi, op_args=(("alibi_slopes", "Tensor?", None),), keyword_schema="Tensor? alibi_slopes"),
+                check=_check_alibi, op_args=(("alibi_slopes", "Tensor?", None),), keyword_schema="Tensor? alibi_slopes",
+                sample=lambda spec, q: _geometric_slopes(q)),
     Declaration("sink", "learnable_sink", ", attention sinks", state=True, registers=2, arguments=("learnable_sink",),
                 params=_sink_params, check=_check_sink, op_args=(("learnable_sink", "Tensor?", None),),
                 keyword_schema="Tensor? learnable_sink", kinds=("fwd", "fwd_sm90", "decode", "decode_paged"), backward=False,
-                plain_tiles=True, gradient=_sink_gradient),
+                plain_tiles=True, gradient=_sink_gradient, sample=lambda spec, q: _spread_sinks(q)),
     Declaration("score_mod", "score_mod", ", a user score rule", score="rule", grad=True, registers=48,
                 arguments=("score_mod_tensors",), params=_rule_params("score_mod"), rule=True, check=_check_rule("score_mod"),
                 op_args=(("score_mod", "str", ""), ("score_mod_tensors", "Tensor[]", []))),
