@@ -276,6 +276,18 @@ def kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, paged: bool, 
     return o, lse
 
 
+def _run_paged_prefill(plan, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, block_table, o, lse,
+                       scale: float, variant: variants.Variant) -> None:
+    """Packed queries (total_q, heads, d) over their sequences' pages, by the paged Hopper forward's
+    plan (plans.paged_prefill): o (total_q, heads, d), lse (heads, total_q) or None."""
+    values = {"q": aligned(q), "k": k_cache, "v": v_cache, "o": o, "lse": lse, "scale": scale,
+              "cu_seqlens_q": cu_seqlens_q.contiguous(), "cu_seqlens_k": cu_seqlens_k.contiguous(),
+              "max_seqlen_q": max_seqlen_q, "block_table": block_table.contiguous()}
+    if variant.args:
+        values.update(variant.values())
+    plan.run(q.get_device(), values)
+
+
 def _paged_chunk(plan, q, k_cache, v_cache, cache_seqlens, capacity: int, block_table, o, lse, causal, scale, variant):
     """attention_with_kvcache's chunk of queries over a paged cache that holds its keys, as packed
     sequences for the paged Hopper forward: sequence b is q[b] over the first cache_seqlens[b] keys
@@ -286,13 +298,8 @@ def _paged_chunk(plan, q, k_cache, v_cache, cache_seqlens, capacity: int, block_
     cu_seqlens_k = torch.nn.functional.pad(lengths.to(torch.int64).clamp(0, capacity).cumsum(0), (1, 0)).to(torch.int32)
     cu_seqlens_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=q.device)
     packed_lse = torch.empty(heads, batch * seqlen_q, dtype=torch.float32, device=q.device) if lse is not None else None
-    values = {"q": aligned(q.reshape(batch * seqlen_q, heads, head_dim)), "k": k_cache, "v": v_cache,
-              "o": o.view(batch * seqlen_q, heads, head_dim), "lse": packed_lse, "scale": scale,
-              "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": seqlen_q,
-              "block_table": block_table.contiguous()}
-    if variant.args:
-        values.update(variant.values())
-    plan.run(q.get_device(), values)
+    _run_paged_prefill(plan, q.reshape(batch * seqlen_q, heads, head_dim), k_cache, v_cache, cu_seqlens_q, cu_seqlens_k,
+                       seqlen_q, block_table, o.view(batch * seqlen_q, heads, head_dim), packed_lse, scale, variant)
     if lse is not None:
         lse.copy_(packed_lse.view(heads, batch, seqlen_q).transpose(0, 1))
     return o, lse
@@ -386,12 +393,8 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     max_seqlen_q = min(max_seqlen_q, total_q)  # no sequence is longer than the packed tensor (sizes the grid)
     prefill = plans.paged_prefill(device, head_dim, q.dtype, causal, max_seqlen_q, variant.fields)
     if prefill is not None:  # long query chunks: the Hopper forward, its producer reading the pages
-        values = {"q": aligned(q), "k": k_cache, "v": v_cache, "o": o, "lse": lse, "scale": scale,
-                  "cu_seqlens_q": cu_seqlens_q.contiguous(), "cu_seqlens_k": cu_seqlens_k.contiguous(),
-                  "max_seqlen_q": max_seqlen_q, "block_table": block_table.contiguous()}
-        if variant.args:
-            values.update(variant.values())
-        prefill.run(device, values)
+        _run_paged_prefill(prefill, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, o, lse, scale,
+                           variant)
         return o, lse
     capacity = block_table.shape[1] * page_size
     plan, splits = plans.decode(device, head_dim, q.dtype, True, max_seqlen_q * (heads // kv_heads), batch, kv_heads,

@@ -31,7 +31,7 @@ def _well_formed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     """The per-call fast path of check_inputs: True when nothing is wrong."""
     if not type(q) is type(k) is type(v) is type(cu_seqlens_q) is type(cu_seqlens_k) is torch.Tensor:
         return False
-    q_shape, k_shape, cu_shape = q.shape, k.shape, cu_seqlens_q.shape
+    q_shape, k_shape, v_shape, cu_shape = q.shape, k.shape, v.shape, cu_seqlens_q.shape
     if len(q_shape) != 3 or len(k_shape) != 3 or len(cu_shape) != 1 or cu_seqlens_k.shape != cu_shape:
         return False
     total_q, heads, head_dim = q_shape
@@ -39,9 +39,9 @@ def _well_formed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     batch = cu_shape[0] - 1
     device = q.get_device()
     return (
-        q.dtype in DTYPES and q.dtype == k.dtype == v.dtype and v.shape[:2] == k_shape[:2]
+        q.dtype in DTYPES and q.dtype == k.dtype == v.dtype and len(v_shape) == 3 and v_shape[:2] == k_shape[:2]
         and kv_dim == head_dim and kv_heads and not heads % kv_heads and heads <= MAX_GRID_YZ
-        and not head_dim % 8 and 8 <= head_dim <= 256 and (v.shape[2] == head_dim or (not v.shape[2] % 8 and 8 <= v.shape[2] <= 256))
+        and not head_dim % 8 and 8 <= head_dim <= 256 and (v_shape[2] == head_dim or (not v_shape[2] % 8 and 8 <= v_shape[2] <= 256))
         and q.stride()[2] == 1 and k.stride()[2] == 1 and v.stride()[2] == 1
         and cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32 and 0 <= batch <= MAX_GRID_YZ
         and _is_length(max_seqlen_q) and _is_length(max_seqlen_k)
