@@ -418,7 +418,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     starts_q = check_cu_seqlens(cu_seqlens_q, q.shape[0], max_seqlen_q, "cu_seqlens_q")
     total_k = k.shape[0] if block_table is None else int(cu_seqlens_k[-1])  # paged: the offsets give lengths only
     starts_k = check_cu_seqlens(cu_seqlens_k, total_k, max_seqlen_k, "cu_seqlens_k")
-    outs, lses = [q.new_zeros((0, *q.shape[1:]))], [torch.zeros(q.shape[1], 0, device=q.device)]
+    outs, lses = [q.new_zeros((0, q.shape[1], v.shape[-1]))], [torch.zeros(q.shape[1], 0, device=q.device)]  # (V's head dim)
     for seq, ((q0, q1), (k0, k1)) in enumerate(zip(zip(starts_q, starts_q[1:]), zip(starts_k, starts_k[1:]))):
         seq_q = q[q0:q1].transpose(0, 1)[None]
         if block_table is None:
