@@ -22,6 +22,7 @@ import torch
 
 from . import modifiers, plans, variants
 from .blockmask import BlockMasks
+from .families.backward import stats_in_rows
 from .families.decode import fast_divisor
 from .inputs import aligned
 
@@ -100,8 +101,13 @@ def forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, causal:
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if need_lse else None
     if o.numel() == 0:
         return o, lse
-    if keys == 0:  # no keys: every row sees nothing
-        return o.zero_(), None if lse is None else lse.fill_(-math.inf)
+    if keys == 0:  # no keys: every row sees nothing, and its lse is -inf, or a sink's logit where one is given
+        sink = dict(zip((name for name, _, _ in variants.OP_ARGS), variant)).get("learnable_sink")
+        if lse is not None and sink is None:
+            lse.fill_(-math.inf)
+        elif lse is not None:  # (the sink is (batch, heads); packed, every sequence's are alike)
+            lse.copy_((sink[0, :, None] if packed else sink[..., None]).expand(lse.shape))
+        return o.zero_(), lse
     device = q.get_device()
     values = {"q": aligned(q), "k": aligned(k), "v": aligned(v), "o": o, "lse": lse, "scale": scale}
     if packed:
@@ -118,13 +124,21 @@ def forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, causal:
     return o, lse
 
 
+def learns(variant) -> bool:
+    """A variant argument is given that takes a gradient (a sink): the backward returns delta."""
+    return any(value is not None and name in variants.GRADIENTS for (name, _, _), value in zip(variants.OP_ARGS, variant))
+
+
 def backward_impl(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                   causal: bool, scale: float, deterministic: bool, kernel: str = "", *variant):
-    """(dq, dk, dv) from the forward's inputs, output and log-sum-exp; P is recomputed. `kernel`
-    is the forward's spec (canonical text, or ""): the backward compiles for its target."""
+    """(dq, dk, dv, delta) from the forward's inputs, output and log-sum-exp; P is recomputed.
+    `kernel` is the forward's spec (canonical text, or ""): the backward compiles for its target.
+    delta, rowsum(dO * O) - dlse in lse's layout, is what a learned variant argument's gradient
+    reads (the prep computes it anyway); empty unless one is given (learns)."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), grad_v_like(k, v)
-    if q.numel() == 0 or k.numel() == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+    delta = lse.new_empty(lse.shape if learns(variant) else (0,))
+    if q.numel() == 0 or k.numel() == 0:  # (no keys: O = 0)
+        return dq.zero_(), dk.zero_(), dv.zero_(), delta.copy_(-d_lse) if d_lse is not None and delta.numel() else delta.zero_()
     device = q.get_device()
     values = {name: aligned(t) for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("d_o", d_o))}
     values.update(lse=lse.contiguous(), d_lse=None if d_lse is None else d_lse.contiguous(), dq=dq, dk=dk, dv=dv, scale=scale,
@@ -141,7 +155,9 @@ def backward_impl(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, max_s
     plan = (plans.backward_varlen if packed else plans.backward)(device, q.shape[-1], q.dtype, causal, deterministic, kernel,
                                                                  fields, head_dim_v=head_dim_v)
     plan.run(device, values)
-    return dq, dk, dv
+    if delta.numel():
+        delta.copy_(stats_in_rows(values["delta"], lse.shape[-1], cu_seqlens_q))
+    return dq, dk, dv, delta
 
 
 @torch.library.custom_op("flashgen::attention_fwd", mutates_args=(), device_types="cuda", schema=(
@@ -163,17 +179,18 @@ def _attention_fwd_fake(q, k, v, cu_seqlens_q, *args):
 @torch.library.custom_op("flashgen::attention_bwd", mutates_args=(), device_types="cuda", schema=(
     "(Tensor d_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor? d_lse, Tensor? cu_seqlens_q, "
     "Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, bool causal, float scale, bool deterministic, "
-    f"str kernel, {variants.OP_SCHEMA}) -> (Tensor, Tensor, Tensor)"))
+    f"str kernel, {variants.OP_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor)"))
 def attention_bwd(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
                   deterministic, kernel, *variant):
-    """(dq, dk, dv) from the forward's inputs, output and log-sum-exp; P is recomputed."""
+    """(dq, dk, dv, delta) from the forward's inputs, output and log-sum-exp; P is recomputed."""
     return backward_impl(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
                          deterministic, kernel, *variant)
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(d_o, q, k, v, *args):
-    return torch.empty_like(q), torch.empty_like(k), grad_v_like(k, v)
+def _attention_bwd_fake(d_o, q, k, v, o, lse, *args):
+    variant = args[-len(variants.OP_ARGS):]
+    return torch.empty_like(q), torch.empty_like(k), grad_v_like(k, v), lse.new_empty(lse.shape if learns(variant) else (0,))
 
 
 def _setup_context(ctx, inputs, output):
@@ -191,15 +208,15 @@ def _backward(ctx, d_o, d_lse, backward=attention_bwd, op=True):
     cu_seqlens_q, cu_seqlens_k = rest[:2] if ctx.packed else (None, None)
     if d_o is None:
         d_o = torch.zeros_like(o)
-    dq, dk, dv = backward(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k,
-                          ctx.causal, ctx.scale, ctx.deterministic, ctx.kernel, *ctx.variant)
+    dq, dk, dv, delta = backward(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q,
+                                 ctx.max_seqlen_k, ctx.causal, ctx.scale, ctx.deterministic, ctx.kernel, *ctx.variant)
     # the layout and the settings take no gradient; of the variant's arguments, a learned one's tensor
     # (a sink) does, the others none (the op's autograd wants a list for each list of tensors)
     grads = []
     for (name, _, _), value in zip(variants.OP_ARGS, ctx.variant):
         gradient = variants.GRADIENTS.get(name)
         if gradient is not None and value is not None:
-            grads.append(gradient(value, o, d_o, lse, d_lse, cu_seqlens_q))
+            grads.append(gradient(value, delta, lse, cu_seqlens_q))
         else:
             grads.append([None] * len(value) if op and isinstance(value, list) else None)
     return dq, dk, dv, *[None] * 8, *grads

@@ -60,8 +60,9 @@ class Declaration:
     backward:    the backward's kernels have it (False: they see it only through the forward's lse).
     plain_tiles: it takes the plain kernel's tiles: the tuning table's variant entries (smaller tiles,
                  for the registers a variant takes in the per-element loops) are not for it.
-    gradient:    (its tensor, o, d_o, lse, d_lse, cu_seqlens_q or None) -> the gradient its tensor
-                 receives, from the forward's output and lse (a learned sink), or None.
+    gradient:    (its tensor, delta, lse, cu_seqlens_q or None) -> the gradient its tensor receives,
+                 from the forward's lse and the backward's delta = rowsum(dO * O) - dlse per row
+                 (in lse's layout), or None.
     sample:      (spec, q) -> a keyword value that exercises it (`python -m flashgen.check` runs a
                  prebuilt kernel and the oracle with it), or None (a rule: only its author has one).
     """
@@ -202,24 +203,21 @@ def _check_sink(sink, call: Call) -> dict | None:
     return {"learnable_sink": sink.expand(call.batch, call.heads)}
 
 
-def _sink_gradient(sink, o, d_o, lse, d_lse, cu_seqlens_q):
-    """d sink[b, h] = -sum over the rows i of (b, h) of P_sink,i (dO_i . O_i - dlse_i), P_sink,i =
-    exp(sink - lse_i): the sink's share of row i's softmax, which the row's output loses as the
-    sink grows (lse holds the sink; the kernels' gradients of q, k, v need nothing more). `sink`
-    is (batch, heads) (sequences, packed); fixed o is (batch, heads, seq, d), packed (total_q,
-    heads, d) with lse (heads, total_q)."""
+def _sink_gradient(sink, delta, lse, cu_seqlens_q):
+    """d sink[b, h] = -sum over the rows i of (b, h) of P_sink,i * delta_i, P_sink,i = exp(sink -
+    lse_i): the sink's share of row i's softmax, which the row's output loses as the sink grows
+    (lse holds the sink; the kernels' gradients of q, k, v need nothing more); delta_i = dO_i . O_i
+    - dlse_i, from the backward's prep. `sink` is (batch, heads) (sequences, packed); delta and lse
+    are (batch, heads, seq) fixed, (heads, total_q) packed."""
     import torch
 
-    delta = (d_o.float() * o.float()).sum(-1)
     if cu_seqlens_q is None:
-        delta = delta if d_lse is None else delta - d_lse
-        return -(torch.exp(sink[..., None] - lse) * delta).sum(-1)
-    batch, total_q = sink.shape[0], o.shape[0]
-    sequence = torch.searchsorted(cu_seqlens_q[1:], torch.arange(total_q, device=o.device, dtype=cu_seqlens_q.dtype),
+        return torch.linalg.vecdot(torch.exp(sink[..., None] - lse), delta).neg_()
+    batch, total_q = sink.shape[0], lse.shape[1]
+    sequence = torch.searchsorted(cu_seqlens_q[1:], torch.arange(total_q, device=lse.device, dtype=cu_seqlens_q.dtype),
                                   right=True)
-    inside = sequence < batch  # (rows past the last sequence's end belong to none: no kernel wrote them)
-    sequence = sequence.clamp_(max=batch - 1)
-    delta = delta.t() if d_lse is None else delta.t() - d_lse
+    inside = sequence < batch  # (rows past the last sequence's end belong to none: no kernel wrote their lse)
+    sequence.clamp_(max=batch - 1)
     rows = torch.where(inside, -(torch.exp(sink[sequence].t() - lse) * delta), 0.0)  # (heads, total_q)
     return torch.zeros_like(sink, memory_format=torch.contiguous_format).index_add_(0, sequence, rows.t())
 

@@ -192,7 +192,8 @@ def test_a_sink_joins_each_row_s_denominator_and_gets_its_gradient(causal):
     d_o = torch.randn(out.shape, generator=gen)
     out.backward(d_o)
     # the kernels' path: d sink = -sum_i exp(sink - lse_i) (dO_i . O_i), per batch and head, summed
-    formula = variants.GRADIENTS["learnable_sink"](sink.detach().expand(2, 4), out.detach(), d_o, lse.detach(), None, None)
+    delta = (d_o * out.detach()).sum(-1)  # (the prep's)
+    formula = variants.GRADIENTS["learnable_sink"](sink.detach().expand(2, 4), delta, lse.detach(), None)
     torch.testing.assert_close(formula.sum(0), sink.grad, rtol=1e-5, atol=1e-6)
     assert (lse >= sink.detach().view(1, -1, 1)).all()  # lse holds the sink
 
@@ -215,9 +216,9 @@ def test_the_sink_gradient_of_packed_sequences_is_per_sequence_and_head():
     d_o = torch.randn(out.shape, generator=gen)
     out.backward(d_o)
     nan = torch.full((1, 4, 8), math.nan)  # (what an unwritten row may hold)
+    delta = (torch.cat([d_o, torch.zeros(1, 4, 8)]) * torch.cat([out.detach(), nan])).sum(-1).t()  # (heads, total_q)
     per_sequence = variants.GRADIENTS["learnable_sink"](
-        sink.detach().expand(3, 4), torch.cat([out.detach(), nan]), torch.cat([d_o, torch.zeros(1, 4, 8)]),
-        torch.cat([lse.detach(), torch.full((4, 1), math.nan)], dim=1), None, cu)
+        sink.detach().expand(3, 4), delta, torch.cat([lse.detach(), torch.full((4, 1), math.nan)], dim=1), cu)
     assert per_sequence.shape == (3, 4) and torch.equal(per_sequence[1], torch.zeros(4))  # the empty sequence
     torch.testing.assert_close(per_sequence.sum(0), sink.grad, rtol=1e-5, atol=1e-6)
 

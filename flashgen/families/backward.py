@@ -35,6 +35,25 @@ def padded_varlen(total_q: int, batch: int) -> int:
     return padded(total_q + batch * STATS_PAD)
 
 
+def stats_in_rows(stats, rows: int, cu_seqlens_q=None):
+    """A statistics buffer the prep wrote (delta: [batch, heads, padded_q], or varlen [heads,
+    padded_varlen]) in the layout of the forward's lse: [batch, heads, rows] (a view), or varlen
+    [heads, rows = total_q], each sequence's rows gathered from where block_info's stats_rows put
+    them (rows past the last sequence read 0)."""
+    import torch
+
+    if cu_seqlens_q is None:
+        return stats[..., :rows]
+    starts, batch = cu_seqlens_q.long(), cu_seqlens_q.shape[0] - 1
+    row = torch.arange(rows, device=stats.device)
+    sequence = torch.searchsorted(starts[1:], row, right=True)
+    inside = sequence < batch
+    sequence.clamp_(max=batch - 1)
+    start = starts[sequence]
+    at = row + (start + sequence * STATS_PAD) // STATS_PAD * STATS_PAD - start
+    return torch.where(inside, stats[:, at], 0.0)
+
+
 class BackwardPrep(Family):
     kinds = ("bwd_prep",)
     template = "attention_bwd_prep.cu.j2"
