@@ -16,7 +16,6 @@ A call's arguments are checked by its public function (flashgen.inputs) before t
 
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -101,13 +100,8 @@ def forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, causal:
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if need_lse else None
     if o.numel() == 0:
         return o, lse
-    if keys == 0:  # no keys: every row sees nothing, and its lse is -inf, or a sink's logit where one is given
-        sink = dict(zip((name for name, _, _ in variants.OP_ARGS), variant)).get("learnable_sink")
-        if lse is not None and sink is None:
-            lse.fill_(-math.inf)
-        elif lse is not None:  # (the sink is (batch, heads); packed, every sequence's are alike)
-            lse.copy_((sink[0, :, None] if packed else sink[..., None]).expand(lse.shape))
-        return o.zero_(), lse
+    if keys == 0:  # no keys: every row sees nothing
+        return o.zero_(), None if lse is None else variants.no_key_lse(lse, packed, variant)
     device = q.get_device()
     values = {"q": aligned(q), "k": aligned(k), "v": aligned(v), "o": o, "lse": lse, "scale": scale}
     if packed:

@@ -63,6 +63,8 @@ class Declaration:
     gradient:    (its tensor, delta, lse, cu_seqlens_q or None) -> the gradient its tensor receives,
                  from the forward's lse and the backward's delta = rowsum(dO * O) - dlse per row
                  (in lse's layout), or None.
+    no_key_lse:  (its op argument, packed) -> the log-sum-exp of a row that sees no key, broadcast
+                 over lse's layout, where it is not -inf (a sink: its logit), or None.
     sample:      (spec, q) -> a keyword value that exercises it (`python -m flashgen.check` runs a
                  prebuilt kernel and the oracle with it), or None (a rule: only its author has one).
     """
@@ -91,6 +93,7 @@ class Declaration:
     backward: bool = True
     plain_tiles: bool = False
     gradient: Callable | None = field(default=None, repr=False)
+    no_key_lse: Callable | None = field(default=None, repr=False)
     sample: Callable | None = field(default=None, repr=False)
 
 
@@ -267,7 +270,8 @@ REGISTRY: tuple[Declaration, ...] = (
     Declaration("sink", "learnable_sink", ", attention sinks", state=True, registers=2, arguments=("learnable_sink",),
                 params=_sink_params, check=_check_sink, op_args=(("learnable_sink", "Tensor?", None),),
                 keyword_schema="Tensor? learnable_sink", kinds=("fwd", "fwd_sm90", "decode", "decode_paged"), backward=False,
-                plain_tiles=True, gradient=_sink_gradient, sample=lambda spec, q: _spread_sinks(q)),
+                plain_tiles=True, gradient=_sink_gradient, sample=lambda spec, q: _spread_sinks(q),
+                no_key_lse=lambda sink, packed: sink[0, :, None] if packed else sink[..., None]),  # ((heads, 1), (b, h, 1))
     Declaration("score_mod", "score_mod", ", a user score rule", score="rule", grad=True, registers=48,
                 arguments=("score_mod_tensors",), params=_rule_params("score_mod"), rule=True, check=_check_rule("score_mod"),
                 op_args=(("score_mod", "str", ""), ("score_mod_tensors", "Tensor[]", []))),
@@ -289,6 +293,17 @@ OP_SCHEMA = ", ".join(f"{kind} {name}" for name, kind, _ in OP_ARGS)  # their to
 PLAIN_ARGS = tuple(plain for _, _, plain in OP_ARGS)
 # a learned variant's op argument -> the gradient its tensor receives
 GRADIENTS = {d.op_args[0][0]: d.gradient for d in REGISTRY if d.gradient}
+_NO_KEY_LSE = {d.op_args[0][0]: d.no_key_lse for d in REGISTRY if d.no_key_lse}
+
+
+def no_key_lse(lse, packed: bool, variant: tuple):
+    """lse filled for rows that see no key: -inf, or what a given variant argument puts there
+    (a sink's logit); `variant` is the ops' variant arguments (OP_ARGS' order)."""
+    lse.fill_(-math.inf)
+    for (name, _, _), value in zip(OP_ARGS, variant):
+        if value is not None and name in _NO_KEY_LSE:
+            lse.copy_(_NO_KEY_LSE[name](value, packed).expand(lse.shape))
+    return lse
 # The variants an op may take as given (a keyword each, checked when the op runs), and their schema
 KEYWORDS = tuple(declaration.keyword for declaration in REGISTRY if declaration.keyword_schema)
 KEYWORD_SCHEMA = ", ".join(declaration.keyword_schema for declaration in REGISTRY if declaration.keyword_schema)

@@ -4,6 +4,8 @@ a double backward is refused rather than silently cut, a tensor a variant reads 
 rule's tensors) changed in place between forward and backward is an error, as for q, and a score
 rule refuses the grid slices of more than 65,535 batches or heads."""
 
+import math
+
 import pytest
 import torch
 
@@ -126,3 +128,17 @@ def test_the_prep_s_padded_rows_are_read_back_in_lse_s_layout():
     assert torch.equal(rows[:, :3], packed[:, :3])
     assert torch.equal(rows[:, 3:200], packed[:, 256:453])
     assert torch.equal(rows[:, 200], torch.zeros(2))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_rows_that_see_no_key_get_a_sink_s_logit_as_their_lse(packed):
+    """No keys at all: O = 0 and lse -inf, or the sink's logit where a sink is given (the oracle's
+    rule), with no kernel launched."""
+    sink = torch.tensor([1.5, -2.0])
+    q = torch.randn(3, 2, 8) if packed else torch.randn(1, 2, 3, 8)
+    k = torch.zeros(0, 2, 8) if packed else torch.zeros(1, 2, 0, 8)
+    cu = torch.tensor([0, 3], dtype=torch.int32) if packed else None
+    for given, want in ((None, torch.full((2, 3), -math.inf)), (sink, sink[:, None].expand(2, 3))):
+        variant = variants.Variant({"learnable_sink": given.expand(1, 2)}).op_args() if given is not None else ()
+        o, lse = ops.forward_impl(q, k, k, cu, cu, 3, False, 1.0, "", True, *variant)
+        assert torch.equal(o, torch.zeros_like(q)) and torch.equal(lse, want if packed else want[None])
