@@ -269,11 +269,11 @@ def kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, paged: bool, 
     if o.numel() == 0:
         return o, lse
     device = q.get_device()
-    if paged and k is None and not rotary and cache_batch_idx is None and cache_leftpad is None:
+    if paged and not rotary and cache_batch_idx is None and cache_leftpad is None:
         prefill = plans.paged_prefill(device, head_dim, q.dtype, causal, seqlen_q, variant.fields)
-        if prefill is not None:  # a long chunk whose keys the cache holds already: the Hopper forward reads the pages
-            return _paged_chunk(prefill, q, k_cache, v_cache, cache_seqlens, capacity, block_table, o, lse, causal, scale,
-                                variant)
+        if prefill is not None:  # a long chunk: the Hopper forward reads the pages (the new keys stored in them first)
+            return _paged_chunk(prefill, q, k_cache, v_cache, k, v, cache_seqlens, block_table, capacity, seqlen_new, o, lse,
+                                causal, scale, variant)
     keys = capacity + seqlen_new
     if variant.args:
         keys = min(keys, variant.keys_seen(seqlen_q) or keys)  # the most one block's windows see
@@ -288,29 +288,44 @@ def kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, paged: bool, 
 
 
 def _run_paged_prefill(plan, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, block_table, o, lse,
-                       scale: float, variant: variants.Variant) -> None:
+                       scale: float, variant: variants.Variant, k=None, v=None) -> None:
     """Packed queries (total_q, heads, d) over their sequences' pages, by the paged Hopper forward's
-    plan (plans.paged_prefill): o (total_q, heads, d), lse (heads, total_q) or None."""
+    plan (plans.paged_prefill): o (total_q, heads, d), lse (heads, total_q) or None. k, v: an
+    append's new keys (batch, seqlen_new, heads_kv, d), the last of each sequence's keys, read from
+    there where the pages have no place for them; or None."""
     values = {"q": aligned(q), "k": k_cache, "v": v_cache, "o": o, "lse": lse, "scale": scale,
               "cu_seqlens_q": cu_seqlens_q.contiguous(), "cu_seqlens_k": cu_seqlens_k.contiguous(),
-              "max_seqlen_q": max_seqlen_q, "block_table": block_table.contiguous()}
+              "max_seqlen_q": max_seqlen_q, "block_table": block_table.contiguous(),
+              "k_new": None if k is None else aligned(k), "v_new": None if v is None else aligned(v),
+              "seqlen_new": 0 if k is None else k.shape[1]}
     if variant.args:
         values.update(variant.values())
     plan.run(q.get_device(), values)
 
 
-def _paged_chunk(plan, q, k_cache, v_cache, cache_seqlens, capacity: int, block_table, o, lse, causal, scale, variant):
-    """attention_with_kvcache's chunk of queries over a paged cache that holds its keys, as packed
-    sequences for the paged Hopper forward: sequence b is q[b] over the first cache_seqlens[b] keys
-    of its pages (the kernel clamps each length to [0, capacity], as the decode kernels do)."""
+def _paged_chunk(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, capacity: int, seqlen_new: int, o, lse,
+                 causal, scale, variant):
+    """attention_with_kvcache's chunk of queries over a paged cache, as packed sequences for the
+    paged Hopper forward: sequence b is q[b] over the first cache_seqlens[b] keys of its pages
+    (clamped to [0, capacity], as the decode kernels do), then the new keys k[b], v[b] appended
+    after them (the append kernel stores those that have a place first; the forward reads the
+    others from k, v)."""
     batch, seqlen_q, heads, head_dim = q.shape
-    lengths = (cache_seqlens if cache_seqlens is not None else
-               torch.full((batch,), capacity, dtype=torch.int32, device=q.device))  # (None: every page is full)
-    cu_seqlens_k = torch.nn.functional.pad(lengths.to(torch.int64).clamp(0, capacity).cumsum(0), (1, 0)).to(torch.int32)
+    device = q.get_device()
+    if isinstance(cache_seqlens, torch.Tensor):
+        lengths = cache_seqlens.to(torch.int64).clamp(0, capacity)
+    else:  # (an int for every sequence; None: every page is full)
+        lengths = torch.full((batch,), capacity if cache_seqlens is None else min(max(cache_seqlens, 0), capacity),
+                             dtype=torch.int64, device=q.device)
+    if k is not None:
+        plans.kv_append(device, head_dim, q.dtype).run(device, decode_values(
+            q, k_cache, v_cache, k, v, cache_seqlens, block_table, capacity, seqlen_new, o, lse, 1, causal, scale))
+        lengths = lengths + seqlen_new
+    cu_seqlens_k = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
     cu_seqlens_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=q.device)
     packed_lse = torch.empty(heads, batch * seqlen_q, dtype=torch.float32, device=q.device) if lse is not None else None
     _run_paged_prefill(plan, q.reshape(batch * seqlen_q, heads, head_dim), k_cache, v_cache, cu_seqlens_q, cu_seqlens_k,
-                       seqlen_q, block_table, o.view(batch * seqlen_q, heads, head_dim), packed_lse, scale, variant)
+                       seqlen_q, block_table, o.view(batch * seqlen_q, heads, head_dim), packed_lse, scale, variant, k, v)
     if lse is not None:
         lse.copy_(packed_lse.view(heads, batch, seqlen_q).transpose(0, 1))
     return o, lse

@@ -266,6 +266,15 @@ def paged_prefill(device: int, head_dim: int, dtype: torch.dtype, causal: bool, 
     return _plans[key]
 
 
+def kv_append(device: int, head_dim: int, dtype: torch.dtype) -> Plan:
+    """attention_with_kvcache's append into a paged cache on its own (ahead of paged_prefill's
+    forward, which then reads the new keys from the pages)."""
+    key = ("append", device, head_dim, dtype)
+    if key not in _plans:
+        _plans[key] = Plan((Launch(kernels.get(tuning.append_spec(head_dim, DTYPES[dtype], device_arch(device)))),), whole=True)
+    return _plans[key]
+
+
 def _varlen_stats(values: dict) -> tuple:
     """[heads, padded_q]: each sequence's rows on whole tiles (block_info's stats_rows)."""
     total_q, heads, _ = values["q"].shape

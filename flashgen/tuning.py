@@ -296,6 +296,8 @@ def tuned_spec(kind: str | None, head_dim: int, dtype: str, causal: bool, arch: 
         return decode_spec(head_dim, dtype, arch, kind == "decode_paged", rows=1, variant=variant)
     if kind in MERGE_KINDS:
         return merge_spec(kind, head_dim, dtype, arch)
+    if kind == "append_paged":
+        return append_spec(head_dim, dtype, arch)
     if kind is None:
         return forward_spec(head_dim, dtype, causal, arch, seqlen_q=4096, variant=variant)
     if kind == "bwd_prep":
@@ -393,6 +395,12 @@ def decode_spec(head_dim: int, dtype: str, arch: str, paged: bool, rows: int, va
     raise SpecError(f"no {kind} tile shape fits head_dim={head_dim} on {arch}: {error or 'the tuning table has no entry'}")
 
 
+def append_spec(head_dim: int, dtype: str, arch: str) -> KernelSpec:
+    """attention_with_kvcache's append into a paged cache on its own (the paged Hopper forward's)."""
+    check_head_dim(head_dim)
+    return KernelSpec(kind="append_paged", head_dim=head_dim, dtype=dtype, arch=arch)
+
+
 def merge_spec(kind: str, head_dim: int, dtype: str, arch: str) -> KernelSpec:
     """The merge of two states of `dtype` ("merge") or of fp32 ("merge_fp32", dtype unused)."""
     if kind == "merge_fp32":
@@ -401,12 +409,13 @@ def merge_spec(kind: str, head_dim: int, dtype: str, arch: str) -> KernelSpec:
 
 
 def serving_specs(arch: str, head_dims=TEST_HEAD_DIMS) -> list[KernelSpec]:
-    """Every decode and merge spec the serving functions pick on `arch` for these head dims, both
-    dtypes, contiguous and paged caches, both row counts."""
+    """Every decode, merge and append spec the serving functions pick on `arch` for these head dims,
+    both dtypes, contiguous and paged caches, both row counts."""
     specs = []
     for head_dim in head_dims:
         for dtype in ("bf16", "fp16"):
             for paged in (False, True):
                 specs += [decode_spec(head_dim, dtype, arch, paged, rows) for rows in DECODE_BLOCK_M]
             specs += [merge_spec(kind, head_dim, dtype, arch) for kind in MERGE_KINDS]
+            specs.append(append_spec(head_dim, dtype, arch))
     return list(dict.fromkeys(specs))

@@ -100,7 +100,10 @@ def _backward(head_dim, dtype, causal, arch, variant, varlen, head_dim_v=0) -> l
 
 
 def backward_of(forward: KernelSpec) -> list[KernelSpec]:
-    """The backward kernels (both modes) that run after a forward kernel, for the same problem."""
+    """The backward kernels (both modes) that run after a forward kernel, for the same problem
+    (none after a forward over a paged cache: those calls take no gradients)."""
+    if forward.paged:
+        return []
     variant = (*forward.variants,
                *((rule, getattr(forward, rule)) for rule in ("score_mod", "mask_mod") if getattr(forward, rule)))
     return _backward(forward.head_dim, forward.dtype, forward.causal, forward.arch, variant, forward.varlen, forward.head_dim_v)
@@ -122,8 +125,12 @@ def _varlen(workload: Workload, head_dim, dtype, causal, arch, variant) -> list[
 
 
 def _kvcache(workload: Workload, head_dim, dtype, causal, arch, variant) -> list[KernelSpec]:
-    return [spec for layout, rotary in product(workload.layouts, workload.rotary)
-            for spec in _decode(head_dim, dtype, arch, layout == "paged", variant, rotary)]
+    specs = [spec for layout, rotary in product(workload.layouts, workload.rotary)
+             for spec in _decode(head_dim, dtype, arch, layout == "paged", variant, rotary)]
+    prefill = tuning.paged_forward_spec(head_dim, dtype, causal, arch, tuning.SHORT_QUERY + 1, variant)
+    if "paged" in workload.layouts and "" in workload.rotary and prefill:  # a long chunk over pages (with an append)
+        specs += [prefill, tuning.append_spec(head_dim, dtype, arch)]
+    return specs
 
 
 def _merge(workload: Workload, head_dim, dtype, causal, arch, variant) -> list[KernelSpec]:
@@ -166,8 +173,8 @@ def read_recorded(path) -> list[KernelSpec]:
 def describing(spec: KernelSpec) -> Workload | None:
     """The smallest workload whose build makes `spec`, or None when no description does (a user
     rule, a tile the tables do not pick, a piece of another spec's plan only)."""
-    entry = {"fwd": "attention", "fwd_sm90": "attention", "decode": "kvcache", "decode_paged": "kvcache",
-             "merge": "merge", "merge_fp32": "merge"}.get(spec.kind, "attention")  # (the backward pieces: attention's)
+    serving = {"decode": "kvcache", "decode_paged": "kvcache", "append_paged": "kvcache", "merge": "merge", "merge_fp32": "merge"}
+    entry = {"fwd": "attention", "fwd_sm90": "attention", **serving}.get(spec.kind, "attention")  # (the backward pieces: attention's)
     if spec.varlen:
         entry = "varlen"
     variant = spec.variants
@@ -175,9 +182,8 @@ def describing(spec: KernelSpec) -> Workload | None:
         return None
     workload = Workload(head_dim_v=spec.head_dim_v,
         head_dims=(spec.head_dim,), dtypes=(spec.dtype,), causal=(spec.causal,), archs=(spec.arch,), entries=(entry,),
-        variants=(variant,), layouts=("paged",) if spec.kind == "decode_paged" or spec.paged else ("contiguous",),
-        rotary=(spec.rotary,), backward=not spec.family.forward and spec.kind not in ("decode", "decode_paged", "merge",
-                                                                                   "merge_fp32"),
+        variants=(variant,), layouts=("paged",) if spec.kind in ("decode_paged", "append_paged") or spec.paged else ("contiguous",),
+        rotary=(spec.rotary,), backward=not spec.family.forward and spec.kind not in serving,
     )
     try:
         return workload if spec in workload.specs() else None

@@ -63,7 +63,7 @@ def test_merge_fp32_takes_no_dtype():
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80", "sm_86"])
 def test_every_serving_kind_has_a_spec_for_every_head_dim(arch):
     specs = tuning.serving_specs(arch)
-    assert {s.kind for s in specs} == set(tuning.DECODE_KINDS + tuning.MERGE_KINDS)
+    assert {s.kind for s in specs} == set(tuning.DECODE_KINDS + tuning.MERGE_KINDS + ("append_paged",))
     assert {s.head_dim for s in specs} == set(tuning.TEST_HEAD_DIMS)
     for rows, block_m in [(1, 16), (16, 16), (17, 64), (4 * 5, 64), (128, 64)]:
         assert tuning.decode_spec(128, "bf16", arch, True, rows).block_m == block_m
@@ -1071,3 +1071,39 @@ def test_rotary_rounds_each_product_and_sum_on_its_own(style):
     assert "mul.rn.f32" not in plain and turned.count("mul.rn.f32") >= 8
     assert "add.rn.f32" in turned and "sub.rn.f32" in turned
     assert turned.count("fma.rn.f32") == plain.count("fma.rn.f32")
+
+
+@pytest.mark.parametrize("cache_seqlens", [torch.tensor([100, 630], dtype=torch.int32), 50, None], ids=["tensor", "int", "none"])
+def test_a_long_chunk_with_an_append_stores_it_then_runs_the_paged_hopper_forward(driver, stub_kernels, cpu_device, monkeypatch,
+                                                                                cache_seqlens):
+    """attention_with_kvcache with 2048 new queries, keys and values over a paged cache: the append
+    kernel stores the new rows into the pages (seqlen_new of them, from cache_seqlens), then the
+    paged Hopper forward reads every key through the block table, each sequence cache_seqlens[b]
+    (clamped to the capacity) + seqlen_new keys long, the rows past the pages from k and v."""
+    from flashgen.families import hopper
+
+    maps = hopper.HopperForward.helpers
+    fake_map = lambda t, rows, cols=64: t.data_ptr().to_bytes(8, "little") * 15 + rows.to_bytes(8, "little")  # noqa: E731
+    monkeypatch.setattr(hopper.HopperForward, "helpers", lambda self, spec: {**maps(self, spec), "tensor_map": fake_map})
+    seen, run = {}, ops._run_paged_prefill
+    monkeypatch.setattr(ops, "_run_paged_prefill", lambda *args, **kw: (seen.update(cu_seqlens_k=args[5].clone()), run(*args, **kw)))
+    batch, new, heads, kv_heads, d, page_size = 2, 2048, 8, 2, 128, 16
+    q = torch.zeros(batch, new, heads, d, dtype=BF16)
+    k_cache, v_cache = (torch.zeros(400, page_size, kv_heads, d, dtype=BF16) for _ in range(2))
+    k, v = (torch.zeros(batch, new, kv_heads, d, dtype=BF16) for _ in range(2))
+    table = torch.zeros(batch, 40, dtype=torch.int32)  # capacity 640
+    o, lse = ops.kvcache(q, k_cache, v_cache, k, v, cache_seqlens, table, True, 640, new, 0.125, True, variants.PLAIN, "",
+                         None, None, None, None, 0, True)
+    assert o.shape == q.shape and lse.shape == (batch, heads, new)
+    append, forward = driver.launches
+    append_spec = plans.kv_append(-1, d, BF16).kernels[0].spec
+    got = unpack(append_spec, append["params"])
+    assert append_spec.kind == "append_paged" and append["grid"] == (64, kv_heads, batch)
+    assert (got["k_new"], got["v_new"], got["seqlen_new"], got["capacity"]) == (k.data_ptr(), v.data_ptr(), new, 640)
+    assert got["cache_seqlens"] == (cache_seqlens.data_ptr() if isinstance(cache_seqlens, torch.Tensor) else 0)
+    forward_spec = plans.paged_prefill(-1, d, BF16, True, new).kernels[0].spec
+    got = unpack(forward_spec, forward["params"])
+    assert forward_spec.paged and got["seqlen_new"] == new and got["max_blocks"] == 40 and got["page_size"] == page_size
+    assert got["k_new_map"][:8] == k.data_ptr().to_bytes(8, "little") and got["v_new_map"][:8] == v.data_ptr().to_bytes(8, "little")
+    cached = [100, 630] if isinstance(cache_seqlens, torch.Tensor) else [50, 50] if cache_seqlens else [640, 640]
+    assert seen["cu_seqlens_k"].tolist() == [0, cached[0] + new, cached[0] + cached[1] + 2 * new]

@@ -75,3 +75,27 @@ def test_kvcache_chunk_with_variants_and_the_lse():
 
     problem = Problem(3, 200, 8, 2, 64, [200, 900, 3000], page_size=32, dtype=torch.float16, seed=4)
     problem.run(causal=True, window_size=(256, 0), softcap=25.0, learnable_sink=torch.linspace(-1.0, 2.0, 8, device="cuda"))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("page_size", [16, 48, 256])
+def test_kvcache_chunk_with_an_append_on_the_hopper_forward(page_size, causal):
+    """Chunked prefill with the chunk's own keys and values (flash_attn_with_kvcache's k, v): the
+    append kernel stores them into the pages and the Hopper forward reads them back with the rest.
+    A sequence that starts empty, one that ends exactly at the capacity, and one whose new keys run
+    past it (cached length clamped to the capacity): it attends to all of them and stores none
+    past the capacity, the oracle's rule, the last ones read from k and v."""
+    needs_hopper()
+    from test_gpu_decode import Problem
+
+    problem = Problem(4, 300, 16, 4, 128, [0, 1000, 3900, 5000], new=300, page_size=page_size, capacity=4200, seed=page_size)
+    problem.run(causal=causal)
+    assert plans.paged_prefill(0, 128, torch.bfloat16, causal, 300) is not None
+
+
+def test_kvcache_chunk_with_an_append_and_variants():
+    needs_hopper()
+    from test_gpu_decode import Problem
+
+    problem = Problem(3, 129, 8, 2, 64, [10, 700, 2980], new=129, page_size=64, capacity=3000, dtype=torch.float16, seed=6)
+    problem.run(causal=True, window_size=(200, 0), softcap=25.0, learnable_sink=torch.linspace(-1.0, 2.0, 8, device="cuda"))

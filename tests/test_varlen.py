@@ -52,7 +52,7 @@ def test_mma_families_do_not_take_persistent():
 
 def test_shipped_varlen_specs_cover_every_family_on_both_targets():
     assert len(set(SHIPPED)) == len(SHIPPED) and all(spec.varlen for spec in SHIPPED)
-    no_varlen = {"decode", "decode_paged", "combine", "merge", "merge_fp32",  # the serving kernels have their own
+    no_varlen = {"decode", "decode_paged", "append_paged", "combine", "merge", "merge_fp32",  # the serving kernels have their own
                  "block_mask"}  # user mask rules take fixed-length batches
     assert {spec.kind for spec in SHIPPED} == set(flashgen.families.KINDS) - no_varlen
     assert not any(spec.persistent for spec in SHIPPED)
@@ -635,9 +635,11 @@ def test_long_chunks_over_a_paged_cache_pick_the_hopper_forward_reading_pages():
     assert spec.kind == "fwd_sm90" and spec.varlen and spec.paged and spec.variants == ("window",)
     assert tuning.paged_forward_spec(128, "bf16", True, "sm_90a", 64) is None  # short chunks: the decode kernels
     assert tuning.paged_forward_spec(128, "bf16", True, "sm_80", 4096) is None  # no Hopper forward there
-    source = render(spec)
-    assert "__ldg(pages + pos / page_size)" in source and "for (int r = 0; r < BLOCK_N; r += page_rows)" in source
-    binary = compile_source(spec, source)
+    # it takes the block table and, past the pages, an append's new keys (seqlen_new of them)
+    names = [param.name for param in spec.family.params(spec).params]
+    assert {"block_table", "page_rows", "k_new_map", "v_new_map", "seqlen_new"} <= set(names)
+    assert not {"block_table", "k_new_map"} & {p.name for p in spec.replace(paged=False).family.params(spec.replace(paged=False)).params}
+    binary = compile_source(spec, render(spec))
     assert binary.resources.spill_stores == 0
     with pytest.raises(SpecError, match="paged=True: the paged Hopper forward takes packed sequences"):
         spec.replace(varlen=False)

@@ -206,7 +206,10 @@ def test_repeated_variants_build_each_combination():
                                            "--variant", "none", "--variant", "window,softcap", "--dry-run"])
     assert result.exit_code == 0, result.output
     names = [line.strip() for line in result.output.splitlines()[1:]]
-    assert len(names) == 4 and all(name.startswith("decode_paged_d128") for name in names)
-    assert sum(name.endswith("_window_softcap") for name in names) == 2
+    decode = [name for name in names if name.startswith("decode_paged_d128")]  # (both row buckets, each variant)
+    assert len(decode) == 4 and sum(name.endswith("_window_softcap") for name in decode) == 2
+    # and a long chunk's kernels: the append, and the paged Hopper forward for each variant
+    assert sorted(set(names) - set(decode)) == ["append_paged_d128_bf16_sm90a", "fwd_sm90_d128_m128_n128_bf16_full_s2_sm90a_varlen_paged",
+                                                "fwd_sm90_d128_m128_n128_bf16_full_s2_sm90a_varlen_paged_window_softcap"]
     assert command(tuning.decode_spec(128, "bf16", "sm_90a", True, 1, ("window", "softcap"))).split()[2:] == [
         "--d", "128", "--entry", "kvcache", "--variant", "window,softcap", "--kvcache", "paged", "--out", "generated"]

@@ -7,14 +7,14 @@ from __future__ import annotations
 from .backward import STATS_PAD, BackwardPrep, KeyMajorBackward, QueryMajorBackward, padded
 from .base import Family
 from .blockmask import BlockMaskStates
-from .decode import DecodeAttention, MergeStates, MergeStatesFp32
+from .decode import DecodeAttention, KvAppend, MergeStates, MergeStatesFp32
 from .forward import MmaForward
 from .hopper import HopperForward
 from .hopper_backward import HopperBackward, HopperDqReader
 
 FAMILIES: tuple[Family, ...] = (
     MmaForward(), HopperForward(), KeyMajorBackward(), QueryMajorBackward(), BackwardPrep(), HopperBackward(), HopperDqReader(),
-    DecodeAttention(), MergeStates(), MergeStatesFp32(), BlockMaskStates(),
+    DecodeAttention(), KvAppend(), MergeStates(), MergeStatesFp32(), BlockMaskStates(),
 )
 BY_KIND: dict[str, Family] = {kind: family for family in FAMILIES for kind in family.kinds}
 KINDS = tuple(BY_KIND)

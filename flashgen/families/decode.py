@@ -24,7 +24,7 @@ from .. import variants
 from ..params import Param, Params, pointer, scalar, tensor
 from ..smem import Region, SmemLayout
 from ..axes import TARGETS
-from ..spec import SMEM_LIMIT, KernelSpec, SpecError
+from ..spec import ELEMENT_TYPES, SMEM_LIMIT, KernelSpec, SpecError
 from .base import Family, MmaTiles
 
 MAX_SPLITS = 128  # splits of one (sequence, KV head): the merge's weights and the scratch stay small
@@ -49,6 +49,38 @@ def _occupancy(spec: KernelSpec, threads: int, smem: int) -> int:
     by_smem = (SMEM_LIMIT[spec.arch] + 1024) // (smem + 1024)
     by_threads = (1536 if spec.arch in ("sm_86", "sm_87", "sm_89") else 2048) // threads  # 48 warps below sm_80/90
     return max(1, min(by_smem, by_threads, 16))
+
+
+def new_rows() -> list[Param]:
+    """The keys and values to append, [batch, seqlen_new, kv_heads, d] (or none: strides 0)."""
+    params = []
+    for name in ("k", "v"):
+        params.append(Param(f"{name}_new", "const elem_t* __restrict__", "ptr", f"0 if {name} is None else {name}.data_ptr()", name))
+        params += [Param(f"{name}_new_{dim}", "i64", "i64", f"{name}_strides[{i}]", name) for i, dim in enumerate(("batch", "row", "head"))]
+    return params
+
+
+def pages() -> list[Param]:
+    """A paged cache's block table and page size (kv_cache.cuh.j2's KvCache)."""
+    return [
+        pointer("block_table", "const int*"),  # [batch, max_blocks] int32
+        scalar("block_table_batch", "i64", "block_table.stride(0)"),
+        scalar("num_pages", "int"),
+        scalar("page_size", "int"),
+        scalar("page_shift", "int", "page_divisor[1]"),  # fast_divisor(page_size)
+        scalar("page_magic", "i64", "page_divisor[0]"),
+    ]
+
+
+def lengths() -> list[Param]:
+    """Each sequence's cached keys, and where appends stop."""
+    return [
+        pointer("cache_seqlens", "const int*", optional=True),  # [batch] int32, or null: cache_len
+        scalar("cache_seqlens_stride", "i64"),
+        scalar("cache_len", "int"),
+        scalar("capacity", "int"),  # keys a sequence's cache holds at most
+        scalar("seqlen_new", "int"),
+    ]
 
 
 class DecodeAttention(Family):
@@ -128,19 +160,8 @@ class DecodeAttention(Family):
 
     def params(self, spec: KernelSpec) -> Params:
         paged = self.paged(spec)
-        new = []
-        for name in ("k", "v"):  # the keys and values to append, or none (strides 0)
-            new.append(Param(f"{name}_new", "const elem_t* __restrict__", "ptr", f"0 if {name} is None else {name}.data_ptr()", name))
-            new += [Param(f"{name}_new_{dim}", "i64", "i64", f"{name}_strides[{i}]", name) for i, dim in enumerate(("batch", "row", "head"))]
         if paged:
-            rows = [
-                pointer("block_table", "const int*"),  # [batch, max_blocks] int32
-                scalar("block_table_batch", "i64", "block_table.stride(0)"),
-                scalar("num_pages", "int"),
-                scalar("page_size", "int"),
-                scalar("page_shift", "int", "page_divisor[1]"),  # fast_divisor(page_size)
-                scalar("page_magic", "i64", "page_divisor[0]"),
-            ]
+            rows = pages()
         else:  # which row of the caches a sequence reads, and where its keys start there
             rows = [
                 pointer("cache_batch_idx", "const int*", optional=True),  # [batch] int32, or null: row b
@@ -159,14 +180,10 @@ class DecodeAttention(Family):
             *tensor("q", dims=("batch", "row", "head")),
             *tensor("k_cache", const=False, dims=("page" if paged else "batch", "row", "head")),
             *tensor("v_cache", const=False, dims=("page" if paged else "batch", "row", "head")),
-            *new,
+            *new_rows(),
             *rows,
             *rotary,
-            pointer("cache_seqlens", "const int*", optional=True),  # [batch] int32, or null: cache_len
-            scalar("cache_seqlens_stride", "i64"),
-            scalar("cache_len", "int"),
-            scalar("capacity", "int"),  # keys a sequence's cache holds at most
-            scalar("seqlen_new", "int"),
+            *lengths(),
             *tensor("o", const=False, dims=("batch", "row", "head")),
             pointer("lse", "float*", optional=True),  # [batch, heads, seqlen_q], or null
             # With splits > 1: [splits, batch, heads, seqlen_q, head_dim] partial outputs, then
@@ -200,6 +217,39 @@ class DecodeAttention(Family):
             # a variant's that holds it (a window's right side is 0 then).
             "causal": not any(d.holds_causal for d in variants.on(spec)),
         }
+
+
+class KvAppend(Family):
+    """append_paged: attention_with_kvcache's new keys and values stored into a paged cache on their
+    own, ahead of the paged Hopper forward over a long chunk of queries (the decode kernel appends
+    inside its own launch)."""
+
+    kinds = ("append_paged",)
+    template = "kv_append.cu.j2"
+    fields = ("head_dim", "dtype", "arch")
+    arguments = ("k_cache", "v_cache", "k", "v", "k_strides", "v_strides", "cache_seqlens", "cache_seqlens_stride",
+                 "cache_len", "capacity", "block_table", "num_pages", "page_size", "page_divisor", "batch", "kv_heads",
+                 "seqlen_new")
+    MOST_BLOCKS = 64  # blocks per (KV head, sequence): each thread then copies several chunks
+
+    def threads(self, spec: KernelSpec) -> int:
+        return 256
+
+    def params(self, spec: KernelSpec) -> Params:
+        return Params(self.arguments, [
+            *tensor("k_cache", const=False, dims=("page", "row", "head")),
+            *tensor("v_cache", const=False, dims=("page", "row", "head")),
+            *new_rows(),
+            *pages(),
+            *lengths(),
+        ])
+
+    def grid(self, spec: KernelSpec) -> str:
+        chunks = spec.head_dim * ELEMENT_TYPES[spec.dtype].bytes // 16
+        return f"(min(max(-(-seqlen_new * {chunks} // {self.threads(spec)}), 1), {self.MOST_BLOCKS}), kv_heads, batch)"
+
+    def context(self, spec: KernelSpec) -> dict:
+        return {**super().context(spec), "paged": True}
 
 
 class MergeStates(Family):

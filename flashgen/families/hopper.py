@@ -67,7 +67,7 @@ class HopperForward(Family):
               "paged",
               *variants.EVERYWHERE, "score_mod", "mask_mod")
     arguments = ("q", "k", "v", "o", "lse", "scale", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "block_table",
-                 *variants.ARGUMENTS)
+                 "k_new", "v_new", "seqlen_new", *variants.ARGUMENTS)
     forward = True
     tune_space = {"block_m": (128, 192), "block_n": (64, 80, 96, 112, 128, 144, 160, 176), "num_stages": (2, 3),
                   "persistent": (False, True)}
@@ -168,10 +168,15 @@ class HopperForward(Family):
         # partial O tiles leave through plain clipped stores (o_ptr: `o` is the accumulator there)
         clipped = [Param("o_ptr", "elem_t* __restrict__", "ptr", "o.data_ptr()", "o"), *strides("o", "o", dims=PACKED)]
         # sequence b's key position pos is row pos % page_size of page block_table[b][pos / page_size]
+        # and past the pages, the new keys of an append that had no place in them: k_new, v_new
+        # (batch, seqlen_new, heads_kv, d), or none (seqlen_new 0: the caches stand in for the maps)
         pages = [
             pointer("block_table", "const int*"), scalar("table_stride", "i64", "block_table.stride(0)"),
             scalar("max_blocks", "int", "block_table.shape[1]"), scalar("page_size", "int", "k.shape[1]"),
             scalar("page_rows", "int", f"page_rows(k, {spec.block_n})"),
+            tensormap("k_new_map", f"tensor_map((k if k_new is None else k_new).transpose(1, 2), page_rows(k, {spec.block_n}))"),
+            tensormap("v_new_map", f"tensor_map((v if v_new is None else v_new).transpose(1, 2), page_rows(k, {spec.block_n}))"),
+            scalar("seqlen_new", "int"),
         ] if spec.paged else []
         return Params(self.arguments, [*maps, *clipped, *pages, *forward_outputs_and_sizes(spec)])
 
