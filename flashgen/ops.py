@@ -16,7 +16,6 @@ A call's arguments are checked by its public function (flashgen.inputs) before t
 
 from __future__ import annotations
 
-
 import torch
 
 from . import modifiers, plans, variants
