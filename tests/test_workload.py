@@ -56,7 +56,8 @@ def run_every_plan(head_dim, dtype, causal, variant):
         plans.decode(0, head_dim, torch_dtype, paged, rows, 2, 2, 8192, splits, variant, rotary)
     for rows in (1, 16, 17, 300):
         plans.decode(0, head_dim, torch_dtype, True, rows, 3, 1, 4096, 0, variant, "", True)
-        plans.paged_prefill(0, head_dim, torch_dtype, causal, rows, variant)
+        if plans.paged_prefill(0, head_dim, torch_dtype, causal, rows, variant):  # (and with new keys, the append first)
+            plans.kv_append(0, head_dim, torch_dtype)
     plans.merge(0, head_dim, torch_dtype)
     plans.merge(0, head_dim, torch.float32)
 
@@ -71,6 +72,17 @@ def test_the_build_makes_every_kernel_the_plans_pick(picked, arch, head_dim):
     built = set(workload.specs())
     assert picked.specs, "the plans asked for no kernel"
     assert picked.specs <= built, sorted(spec.name for spec in picked.specs - built)
+
+
+def test_a_kvcache_build_makes_a_long_chunk_s_kernels(picked):
+    """attention_with_kvcache alone over a paged cache: a chunk of more than 64 rows runs the
+    paged Hopper forward, after the append kernel where it brings new keys."""
+    workload = Workload(head_dims=(128,), dtypes=("bf16",), causal=(True,), archs=("sm_90a",), entries=("kvcache",),
+                        layouts=("paged",))
+    plans.paged_prefill(0, 128, torch.bfloat16, True, 300)
+    plans.kv_append(0, 128, torch.bfloat16)
+    assert {spec.kind for spec in picked.specs} == {"fwd_sm90", "append_paged"}
+    assert picked.specs <= set(workload.specs())
 
 
 def test_the_default_build_is_attention_forward_and_backward_for_every_query_length(picked):
