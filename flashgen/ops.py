@@ -311,6 +311,8 @@ def _paged_chunk(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, ca
     others from k, v)."""
     batch, seqlen_q, heads, head_dim = q.shape
     device = q.get_device()
+    if seqlen_new == 0:  # (k and v of no rows: nothing to append, nor a map to make of them)
+        k = v = None
     if isinstance(cache_seqlens, torch.Tensor):
         lengths = cache_seqlens.to(torch.int64).clamp(0, capacity)
     else:  # (an int for every sequence; None: every page is full)

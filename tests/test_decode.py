@@ -63,7 +63,8 @@ def test_merge_fp32_takes_no_dtype():
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80", "sm_86"])
 def test_every_serving_kind_has_a_spec_for_every_head_dim(arch):
     specs = tuning.serving_specs(arch)
-    assert {s.kind for s in specs} == set(tuning.DECODE_KINDS + tuning.MERGE_KINDS + ("append_paged",))
+    appends = ("append_paged",) if arch == "sm_90a" else ()  # (ahead of the paged Hopper forward only)
+    assert {s.kind for s in specs} == set(tuning.DECODE_KINDS + tuning.MERGE_KINDS + appends)
     assert {s.head_dim for s in specs} == set(tuning.TEST_HEAD_DIMS)
     for rows, block_m in [(1, 16), (16, 16), (17, 64), (4 * 5, 64), (128, 64)]:
         assert tuning.decode_spec(128, "bf16", arch, True, rows).block_m == block_m
@@ -1107,3 +1108,21 @@ def test_a_long_chunk_with_an_append_stores_it_then_runs_the_paged_hopper_forwar
     assert got["k_new_map"][:8] == k.data_ptr().to_bytes(8, "little") and got["v_new_map"][:8] == v.data_ptr().to_bytes(8, "little")
     cached = [100, 630] if isinstance(cache_seqlens, torch.Tensor) else [50, 50] if cache_seqlens else [640, 640]
     assert seen["cu_seqlens_k"].tolist() == [0, cached[0] + new, cached[0] + cached[1] + 2 * new]
+
+
+def test_a_long_chunk_with_no_new_rows_appends_nothing(driver, stub_kernels, cpu_device, monkeypatch):
+    """k and v of zero rows over a paged cache: no append launch, and no map made of them."""
+    from flashgen.families import hopper
+
+    maps = hopper.HopperForward.helpers
+    fake_map = lambda t, rows, cols=64: t.data_ptr().to_bytes(8, "little") * 15 + rows.to_bytes(8, "little")  # noqa: E731
+    monkeypatch.setattr(hopper.HopperForward, "helpers", lambda self, spec: {**maps(self, spec), "tensor_map": fake_map})
+    q = torch.zeros(2, 300, 8, 128, dtype=BF16)
+    k_cache = torch.zeros(100, 16, 2, 128, dtype=BF16)
+    k = torch.zeros(2, 0, 2, 128, dtype=BF16)
+    ops.kvcache(q, k_cache, k_cache, k, k, 40, torch.zeros(2, 40, dtype=torch.int32), True, 640, 0, 0.125, True, variants.PLAIN,
+                "", None, None, None, None, 0, False)
+    (forward,) = driver.launches
+    spec = plans.paged_prefill(-1, 128, BF16, True, 300).kernels[0].spec
+    got = unpack(spec, forward["params"])
+    assert got["seqlen_new"] == 0 and got["k_new_map"][:8] == k_cache.data_ptr().to_bytes(8, "little")

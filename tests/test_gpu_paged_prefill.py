@@ -84,12 +84,14 @@ def test_kvcache_chunk_with_an_append_on_the_hopper_forward(page_size, causal):
     append kernel stores them into the pages and the Hopper forward reads them back with the rest.
     A sequence that starts empty, one that ends exactly at the capacity, and one whose new keys run
     past it (cached length clamped to the capacity): it attends to all of them and stores none
-    past the capacity, the oracle's rule, the last ones read from k and v."""
+    past the capacity, the oracle's rule, the last ones read from k and v; so are new keys whose
+    page lies outside the cache."""
     needs_hopper()
     from test_gpu_decode import Problem
 
     problem = Problem(4, 300, 16, 4, 128, [0, 1000, 3900, 5000], new=300, page_size=page_size, capacity=4200, seed=page_size)
-    problem.run(causal=causal)
+    problem.block_table[1, 1100 // page_size] = -1  # a page outside the cache where sequence 1's new keys go: not
+    problem.run(causal=causal)                      # stored, still attended to (its old keys there read as zeros)
     assert plans.paged_prefill(0, 128, torch.bfloat16, causal, 300) is not None
 
 

@@ -172,7 +172,8 @@ class HopperForward(Family):
         # (batch, seqlen_new, heads_kv, d), or none (seqlen_new 0: the caches stand in for the maps)
         pages = [
             pointer("block_table", "const int*"), scalar("table_stride", "i64", "block_table.stride(0)"),
-            scalar("max_blocks", "int", "block_table.shape[1]"), scalar("page_size", "int", "k.shape[1]"),
+            scalar("max_blocks", "int", "block_table.shape[1]"), scalar("num_pages", "int", "k.shape[0]"),
+            scalar("page_size", "int", "k.shape[1]"),
             scalar("page_rows", "int", f"page_rows(k, {spec.block_n})"),
             tensormap("k_new_map", f"tensor_map((k if k_new is None else k_new).transpose(1, 2), page_rows(k, {spec.block_n}))"),
             tensormap("v_new_map", f"tensor_map((v if v_new is None else v_new).transpose(1, 2), page_rows(k, {spec.block_n}))"),
