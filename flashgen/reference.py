@@ -206,6 +206,34 @@ def naive_attention(q, k, v, causal=False, scale=None, upcast=True, *, window_si
     return (o, lse) if return_lse else o
 
 
+def attention_backward(d_o, q, k, v, o, lse, causal=False, scale=None, softcap=0.0):
+    """The gradients (dq, dk, dv) of one block of attention, FlashAttention's backward in fp32: P
+    recomputed from the scores and a given log-sum-exp (lse, (batch, heads, seqlen_q)), delta =
+    rowsum(dO * O) from a given output o. With the lse and output of the whole row (more keys than
+    this block's), the block's share of the row's gradients, which is how a ring of blocks
+    (flashgen.distributed) differentiates: the shares add up. Layouts as naive_attention's (GQA:
+    dk, dv summed over each KV head's query heads); returns them in q's, k's and v's dtypes."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    group = q.shape[1] // k.shape[1]
+    qf, kf, vf = (t.float() for t in (q, *_expand_kv(q, k, v)))
+    d_of, of = d_o.float(), o.float()
+    s = qf @ kf.transpose(-1, -2) * scale
+    slope = 1.0
+    if softcap:
+        t = torch.tanh(s / softcap)
+        s, slope = softcap * t, 1 - t * t  # d(softcap tanh(x / softcap)) / dx
+    if causal:
+        s = s.masked_fill(~visible_in_window(q.shape[2], k.shape[2], (-1, 0), device=q.device), -math.inf)
+    p = torch.exp(s - lse.float()[..., None]).nan_to_num(0.0)  # (rows with lse -inf see nothing)
+    dv = p.transpose(-1, -2) @ d_of
+    dp = d_of @ vf.transpose(-1, -2)
+    ds = p * (dp - (d_of * of).sum(-1, keepdim=True)) * slope
+    dq, dk = ds @ kf * scale, ds.transpose(-1, -2) @ qf * scale
+    if group > 1:
+        dk, dv = (t.unflatten(1, (k.shape[1], group)).sum(2) for t in (dk, dv))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
 def _attention(q, k, v, causal, scale, upcast, window_size, softcap=0.0, alibi_slopes=None, score_mod=None,
                mask_mod=None, sink=None):
     """naive_attention with the window as given (the serving oracles clip it at their own seqlen_k);

@@ -1,0 +1,73 @@
+"""Context parallelism without GPUs: ring_attention's schedule over the gloo backend in several CPU
+processes, the blocks computed by the oracle (distributed.REFERENCE: the same ring, the kernels
+swapped), against single-process attention over the whole sequence, forward and backward: causal
+and not, zigzag and contiguous shards, GQA, softcap and a sink; and the sharding helpers."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from flashgen import distributed, reference
+
+CASES = [  # (causal, zigzag, heads, kv_heads, softcap, sink)
+    (True, True, 4, 2, 0.0, False), (True, False, 4, 4, 0.0, False), (False, True, 2, 1, 0.0, False),
+    (False, False, 4, 2, 0.0, False), (True, True, 4, 2, 20.0, True), (False, True, 4, 1, 0.0, True),
+]
+
+
+def _worker(rank, world, path, seqlen):
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    try:
+        for causal, zigzag, heads, kv_heads, softcap, with_sink in CASES:
+            gen = torch.Generator().manual_seed(heads * 100 + kv_heads * 10 + int(causal))
+            q = torch.randn(2, heads, seqlen, 16, generator=gen)
+            k, v = (torch.randn(2, kv_heads, seqlen, 16, generator=gen) for _ in range(2))
+            d_o = torch.randn(q.shape, generator=gen)
+            sink = torch.linspace(-1.0, 2.0, heads) if with_sink else None
+            # the whole sequence in one process
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)] + ([sink.clone().requires_grad_()] if with_sink else [])
+            want, want_lse = reference.naive_attention(*leaves[:3], causal, softcap=softcap, return_lse=True,
+                                                       learnable_sink=leaves[3] if with_sink else None)
+            want.backward(d_o)
+            # this rank's shard through the ring
+            mine = [distributed.shard(t, rank, world, zigzag).clone().requires_grad_() for t in (q, k, v)]
+            ring_sink = sink.clone().requires_grad_() if with_sink else None
+            out, lse = distributed.ring_attention(*mine, causal=causal, softcap=softcap, learnable_sink=ring_sink,
+                                                  zigzag=zigzag, return_lse=True, kernels=distributed.REFERENCE)
+            out.backward(distributed.shard(d_o, rank, world, zigzag))
+            case = f"causal={causal} zigzag={zigzag} heads={heads}:{kv_heads} softcap={softcap} sink={with_sink}, rank {rank}"
+            close = dict(rtol=1e-4, atol=2e-5, msg=lambda m: f"{case}: {m}")
+            torch.testing.assert_close(out, distributed.shard(want.detach(), rank, world, zigzag), **close)
+            torch.testing.assert_close(lse, distributed.shard(want_lse.detach(), rank, world, zigzag), **close)
+            for got, leaf in zip(mine, leaves):
+                torch.testing.assert_close(got.grad, distributed.shard(leaf.grad, rank, world, zigzag), **close)
+            if with_sink:  # each rank's rows' share, summed over the group
+                dist.all_reduce(ring_sink.grad)
+                torch.testing.assert_close(ring_sink.grad, leaves[3].grad, **close)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_attention_matches_attention_over_the_whole_sequence(world):
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(world, os.path.join(tmp, "rendezvous"), 12 * world), nprocs=world)
+
+
+def test_shards_put_back_in_order_give_the_sequence():
+    x = torch.arange(2 * 3 * 24).view(2, 3, 24)
+    for world, zigzag in [(3, True), (4, False), (2, True)]:
+        shards = [distributed.shard(x, rank, world, zigzag) for rank in range(world)]
+        assert torch.equal(distributed.unshard(shards, zigzag), x)
+    assert distributed.shard(x, 0, 3, True)[0, 0].tolist() == [0, 1, 2, 3, 20, 21, 22, 23]  # chunks 0 and 5 of six
+
+
+def test_uneven_and_bad_shards_are_refused_by_name():
+    with pytest.raises(ValueError, match="zigzag sharding over 4 ranks needs a multiple of 8"):
+        distributed.shard(torch.zeros(1, 1, 12, 8), 0, 4)
+    with pytest.raises(RuntimeError, match="call torch.distributed.init_process_group first"):
+        distributed.ring_attention(*(torch.zeros(1, 1, 4, 8) for _ in range(3)))

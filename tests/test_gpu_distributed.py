@@ -1,0 +1,75 @@
+"""GPU tier: ring_attention through NCCL with flashgen's kernels, world size 1 (one GPU: the ring is
+one step, no send), against flashgen.attention, forward and backward, causal with zigzag shards and
+not; and, where the machine has two GPUs, two ranks against one process's attention."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import check_by_the_numerics_rule
+
+import flashgen
+from flashgen import distributed, reference
+
+pytestmark = pytest.mark.gpu
+
+
+def _problem(seqlen, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(2, 8, seqlen, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(2, 2, seqlen, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    d_o = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+    return q, k, v, d_o
+
+
+def _grads(fn, tensors, d_o):
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    out = fn(*leaves)
+    out.backward(d_o)
+    return [out.detach(), *(t.grad for t in leaves)]
+
+
+def _check(rank, world, seqlen, causal):
+    """This rank's shard of the ring against the oracle's whole sequence, by the numerics rule."""
+    q, k, v, d_o = _problem(seqlen)
+    ours = _grads(lambda *t: distributed.ring_attention(*t, causal=causal), [distributed.shard(t, rank, world) for t in (q, k, v)],
+                  distributed.shard(d_o, rank, world))
+    exact, low = (_grads(lambda q, k, v: reference.naive_attention(q, k, v, causal, upcast=up), (q, k, v), d_o)
+                  for up in (True, False))
+    # the rows this rank holds; dK/dV: the whole sequence's gradients at this rank's keys
+    check_by_the_numerics_rule(ours, [distributed.shard(t, rank, world) for t in exact],
+                               [distributed.shard(t, rank, world) for t in low], torch.bfloat16)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_attention_of_one_rank_through_nccl(causal):
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("nccl", init_method=f"file://{os.path.join(tmp, 'rendezvous')}", rank=0, world_size=1)
+        try:
+            _check(0, 1, 2048, causal)
+            q, k, v, _ = _problem(512, seed=1)
+            o, lse = distributed.ring_attention(q, k, v, causal=causal, return_lse=True)
+            want, want_lse = flashgen.attention(q, k, v, causal=causal, return_lse=True)
+            torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-4)
+        finally:
+            dist.destroy_process_group()
+
+
+def _two_ranks(rank, path):
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{path}", rank=rank, world_size=2)
+    try:
+        for causal in (False, True):
+            _check(rank, 2, 4096, causal)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ring_attention_over_two_gpus():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_two_ranks, args=(os.path.join(tmp, "rendezvous"),), nprocs=2)
