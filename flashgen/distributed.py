@@ -1,5 +1,11 @@
 """Context parallelism on torch.distributed: attention over a sequence sharded across ranks.
 
+ulysses_attention (DeepSpeed-Ulysses): an all-to-all turns sequence shards of every head into
+the whole sequence of a share of the heads, flashgen.attention runs there (every variant, since
+each rank sees whole rows), and a second all-to-all turns the output back. It moves q, k, v and
+o once each (4 x the shard's bytes per rank, whatever the world size) where the ring moves K and V
+world - 1 times, but needs heads_kv to be a multiple of the world size.
+
 ring_attention: each rank keeps its shard of the queries; the key/value shards travel around the
 ring (torch.distributed point-to-point sends, which run while the current block computes), and
 each rank merges its blocks' partial outputs by their log-sum-exp. The backward runs the ring
@@ -180,12 +186,13 @@ def _backward(ring: _Ring, d_o, q, k, v, o, lse, causal, scale, softcap, zigzag,
     q_parts, o_parts, d_o_parts, lse_parts = _split(q, parts), _split(o, parts), _split(d_o, parts), _split(lse, parts)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dq_parts = _split(dq, parts)
-    kv = (k, v)
-    dkv = (torch.zeros(k.shape, dtype=torch.float32, device=k.device), torch.zeros(v.shape, dtype=torch.float32, device=v.device))
+    kv, arriving = (k, v), None
     for step in range(ring.world):
         source = (ring.rank - step) % ring.world
         theirs = chunks_of(source, ring.world, zigzag)
         k_parts, v_parts = _split(kv[0], len(theirs)), _split(kv[1], len(theirs))
+        # this rank's share of the block's dK/dV; the ranks before it add theirs in transit
+        dkv = (torch.zeros(k.shape, dtype=torch.float32, device=k.device), torch.zeros(v.shape, dtype=torch.float32, device=v.device))
         dk_parts, dv_parts = _split(dkv[0], len(theirs)), _split(dkv[1], len(theirs))
         pending = ring.start(kv) if step < ring.world - 1 else None  # (the next block's K/V, under this one's work)
         for i, a in enumerate(mine):
@@ -199,11 +206,16 @@ def _backward(ring: _Ring, d_o, q, k, v, o, lse, causal, scale, softcap, zigzag,
                 dq_parts[i].add_(dq_block)
                 dk_parts[j].add_(dk_block)
                 dv_parts[j].add_(dv_block)
-        # dK/dV travel on with their block; after the last step they reach its owner
-        dkv = tuple(ring.finish(*ring.start(dkv)))
+        # dK/dV travel on with their block (what the ranks before added arrived during this step's
+        # work); after the last step they reach the block's owner
+        if arriving is not None:
+            for mine_sum, theirs_sum in zip(dkv, ring.finish(*arriving)):
+                mine_sum.add_(theirs_sum)
+        arriving = ring.start(dkv)
         if pending is not None:
             kv = tuple(ring.finish(*pending))
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    dk, dv = ring.finish(*arriving)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -264,3 +276,76 @@ def ring_attention(q, k, v, group=None, causal: bool = False, scale: float | Non
     o, lse = _RingAttention.apply(q, k, v, learnable_sink, group, bool(causal), scale, float(softcap), bool(zigzag),
                                   bool(deterministic), kernels)
     return (o, lse) if return_lse else o
+
+
+# ---- Ulysses: all-to-all between sequence shards and head shards ---------------------------------
+
+
+class _AllToAll(torch.autograd.Function):
+    """dist.all_to_all_single over dim 0 in equal parts, differentiable (its gradient is the same
+    exchange, the other way)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        dist.all_to_all_single(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _AllToAll.apply(grad, ctx.group), None
+
+
+def _to_heads(x, group, world, zigzag):
+    """(batch, heads, shard, ...) on every rank -> (batch, heads / world, whole sequence, ...): this
+    rank's share of the heads over the whole sequence, in order."""
+    batch, heads = x.shape[:2]
+    parts = x.unflatten(1, (world, heads // world)).movedim(1, 0)  # (world, batch, heads / world, shard, ...)
+    return unshard(list(_AllToAll.apply(parts, group).unbind(0)), zigzag)
+
+
+def _to_sequence(x, group, world, zigzag):
+    """The way back: (batch, heads / world, whole sequence, ...) -> (batch, heads, shard, ...)."""
+    parts = torch.stack([shard(x, rank, world, zigzag) for rank in range(world)])  # (world, batch, heads / world, shard, ...)
+    return _AllToAll.apply(parts, group).movedim(0, 1).flatten(1, 2)
+
+
+def ulysses_attention(q, k, v, group=None, causal: bool = False, scale: float | None = None, zigzag: bool = True,
+                      return_lse: bool = False, attend: Callable | None = None, **variant):
+    """Attention over a sequence sharded across the ranks of `group` by all-to-all over heads
+    (DeepSpeed-Ulysses), in SDPA's layout: q (batch, heads, seqlen_shard, d), k, v (batch, heads_kv,
+    seqlen_shard, d), this rank's shard (`shard`; zigzag as ring_attention's, so one sharding serves
+    both). heads and heads_kv must be multiples of the group's size. Each rank attends over the
+    whole sequence for its share of the heads with flashgen.attention (`attend`: a function with
+    its keywords, the oracle's in the CPU tests), so every variant keyword it takes applies
+    (window_size, softcap, alibi_slopes of (heads,) or (batch, heads), learnable_sink; a sink's and
+    the slopes' gradients are each rank's share of the heads: sum them over the group).
+    Differentiable; returns this rank's rows (and with return_lse their fp32 log-sum-exp).
+
+    Which to use: Ulysses moves 4 shard-sized tensors per rank (q, k, v there; o back) in two
+    all-to-alls, the ring 2 x (world - 1) K/V shards in sends it overlaps with compute; Ulysses
+    takes any variant and runs one long attention per rank (the kernels' best shape), the ring
+    scales past heads_kv ranks. Prefer Ulysses while heads_kv >= world and the interconnect is
+    all-to-all (NVLink within a node); the ring across nodes, or past heads_kv ranks."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("ulysses_attention runs over torch.distributed: call torch.distributed.init_process_group first")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    for name, t in (("q", q), ("k", k)):
+        if t.shape[1] % world:
+            raise ValueError(f"{name} has {t.shape[1]} heads: ulysses_attention gives each of the {world} ranks a share of the "
+                             f"heads, so they must be a multiple of {world} (ring_attention takes any)")
+    share = q.shape[1] // world
+    heads = slice(rank * share, (rank + 1) * share)
+    for name in ("alibi_slopes", "learnable_sink"):  # per-head values: this rank's share
+        value = variant.get(name)
+        if isinstance(value, torch.Tensor):
+            variant[name] = value[..., heads]
+    if attend is None:
+        from .api import attention as attend
+    q_h, k_h, v_h = (_to_heads(t, group, world, zigzag) for t in (q, k, v))
+    o, lse = attend(q_h, k_h, v_h, causal=causal, scale=scale, return_lse=True, **variant)
+    o = _to_sequence(o, group, world, zigzag)
+    if not return_lse:
+        return o
+    return o, _to_sequence(lse[..., None], group, world, zigzag)[..., 0]

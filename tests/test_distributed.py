@@ -1,7 +1,8 @@
 """Context parallelism without GPUs: ring_attention's schedule over the gloo backend in several CPU
 processes, the blocks computed by the oracle (distributed.REFERENCE: the same ring, the kernels
 swapped), against single-process attention over the whole sequence, forward and backward: causal
-and not, zigzag and contiguous shards, GQA, softcap and a sink; and the sharding helpers."""
+and not, zigzag and contiguous shards, GQA, softcap and a sink; ulysses_attention the same way
+(with the oracle's attention), windows and ALiBi included; and the sharding helpers."""
 
 import os
 import tempfile
@@ -50,6 +51,54 @@ def _worker(rank, world, path, seqlen):
                 torch.testing.assert_close(ring_sink.grad, leaves[3].grad, **close)
     finally:
         dist.destroy_process_group()
+
+
+ULYSSES = [  # (causal, zigzag, heads, kv_heads, keywords)
+    (True, True, 4, 2, {}), (False, False, 4, 4, {"softcap": 10.0}), (True, True, 4, 2, {"window_size": (5, 0)}),
+    (False, True, 6, 2, {"alibi_slopes": "slopes"}), (True, False, 4, 2, {"learnable_sink": "sink", "window_size": (7, 0)}),
+]
+
+
+def _ulysses_worker(rank, world, path, seqlen):
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    try:
+        for causal, zigzag, heads, kv_heads, keywords in ULYSSES:
+            gen = torch.Generator().manual_seed(heads * 10 + kv_heads)
+            q = torch.randn(2, heads, seqlen, 16, generator=gen)
+            k, v = (torch.randn(2, kv_heads, seqlen, 16, generator=gen) for _ in range(2))
+            d_o = torch.randn(q.shape, generator=gen)
+            learned = {}
+            if keywords.get("alibi_slopes"):
+                keywords = {**keywords, "alibi_slopes": torch.linspace(0.05, 0.5, heads)}
+            if keywords.get("learnable_sink"):
+                learned = {"learnable_sink": torch.linspace(-1.0, 2.0, heads)}
+                keywords = {k_: v_ for k_, v_ in keywords.items() if k_ != "learnable_sink"}
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            whole_learned = {name: t.clone().requires_grad_() for name, t in learned.items()}
+            want = reference.naive_attention(*leaves, causal, **keywords, **whole_learned)
+            want.backward(d_o)
+            mine = [distributed.shard(t, rank, world, zigzag).clone().requires_grad_() for t in (q, k, v)]
+            mine_learned = {name: t.clone().requires_grad_() for name, t in learned.items()}
+            out = distributed.ulysses_attention(*mine, causal=causal, zigzag=zigzag, attend=reference.naive_attention,
+                                                **keywords, **mine_learned)
+            out.backward(distributed.shard(d_o, rank, world, zigzag))
+            case = f"ulysses causal={causal} zigzag={zigzag} heads={heads}:{kv_heads} {sorted(keywords)}, rank {rank}"
+            close = dict(rtol=1e-4, atol=2e-5, msg=lambda m: f"{case}: {m}")
+            torch.testing.assert_close(out, distributed.shard(want.detach(), rank, world, zigzag), **close)
+            for got, leaf in zip(mine, leaves):
+                torch.testing.assert_close(got.grad, distributed.shard(leaf.grad, rank, world, zigzag), **close)
+            for name, t in mine_learned.items():  # each rank's share of the heads, summed over the group
+                dist.all_reduce(t.grad)
+                torch.testing.assert_close(t.grad, whole_learned[name].grad, **close)
+        with pytest.raises(ValueError, match="k has 1 heads: ulysses_attention gives each of the 2 ranks a share"):
+            distributed.ulysses_attention(*(torch.zeros(1, h, 8, 16) for h in (2, 1, 1)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ulysses_attention_matches_attention_over_the_whole_sequence():
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_ulysses_worker, args=(2, os.path.join(tmp, "rendezvous"), 24), nprocs=2)
 
 
 @pytest.mark.parametrize("world", [2, 3])

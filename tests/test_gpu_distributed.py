@@ -1,6 +1,7 @@
-"""GPU tier: ring_attention through NCCL with flashgen's kernels, world size 1 (one GPU: the ring is
-one step, no send), against flashgen.attention, forward and backward, causal with zigzag shards and
-not; and, where the machine has two GPUs, two ranks against one process's attention."""
+"""GPU tier: ring_attention and ulysses_attention through NCCL with flashgen's kernels, world size 1
+(one GPU: the ring is one step, no send; the all-to-alls exchange nothing), against the oracle by
+the numerics rule, forward and backward, causal with zigzag shards and not; and, where the machine
+has two GPUs, two ranks against one process's attention."""
 
 import os
 import tempfile
@@ -32,10 +33,10 @@ def _grads(fn, tensors, d_o):
     return [out.detach(), *(t.grad for t in leaves)]
 
 
-def _check(rank, world, seqlen, causal):
-    """This rank's shard of the ring against the oracle's whole sequence, by the numerics rule."""
+def _check(rank, world, seqlen, causal, parallel=distributed.ring_attention):
+    """This rank's shard (ring or Ulysses) against the oracle's whole sequence, by the numerics rule."""
     q, k, v, d_o = _problem(seqlen)
-    ours = _grads(lambda *t: distributed.ring_attention(*t, causal=causal), [distributed.shard(t, rank, world) for t in (q, k, v)],
+    ours = _grads(lambda *t: parallel(*t, causal=causal), [distributed.shard(t, rank, world) for t in (q, k, v)],
                   distributed.shard(d_o, rank, world))
     exact, low = (_grads(lambda q, k, v: reference.naive_attention(q, k, v, causal, upcast=up), (q, k, v), d_o)
                   for up in (True, False))
@@ -50,6 +51,7 @@ def test_ring_attention_of_one_rank_through_nccl(causal):
         dist.init_process_group("nccl", init_method=f"file://{os.path.join(tmp, 'rendezvous')}", rank=0, world_size=1)
         try:
             _check(0, 1, 2048, causal)
+            _check(0, 1, 2048, causal, distributed.ulysses_attention)
             q, k, v, _ = _problem(512, seed=1)
             o, lse = distributed.ring_attention(q, k, v, causal=causal, return_lse=True)
             want, want_lse = flashgen.attention(q, k, v, causal=causal, return_lse=True)
@@ -64,6 +66,7 @@ def _two_ranks(rank, path):
     try:
         for causal in (False, True):
             _check(rank, 2, 4096, causal)
+            _check(rank, 2, 4096, causal, distributed.ulysses_attention)
     finally:
         dist.destroy_process_group()
 
