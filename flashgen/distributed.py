@@ -46,12 +46,19 @@ def _flashgen_forward(q, k, v, causal, scale, softcap, sink):
     return api.call(q, k, v, causal, scale, True, True, softcap=softcap, learnable_sink=sink)
 
 
-def _flashgen_backward(d_o, q, k, v, o, lse, causal, scale, softcap, deterministic):
-    from . import api, ops
+def _softcap_args(q, causal, softcap, sequences):
+    from . import variants
 
-    variant = api.call_variant(q, k, causal, softcap=softcap).op_args() if softcap else ()
+    if not softcap:
+        return ()
+    return variants.make(variants.Call(causal, sequences, q.shape[-2], q.device, keys=0), softcap=softcap).op_args()
+
+
+def _flashgen_backward(d_o, q, k, v, o, lse, causal, scale, softcap, deterministic):
+    from . import ops
+
     dq, dk, dv, _ = ops.backward_impl(d_o.contiguous(), q, k, v, o, lse, None, None, None, 0, 0, causal, scale, deterministic,
-                                      "", *variant)
+                                      "", *_softcap_args(q, causal, softcap, q.shape[0]))
     return dq, dk, dv
 
 
@@ -71,6 +78,57 @@ def _reference_backward(d_o, q, k, v, o, lse, causal, scale, softcap, determinis
 
 
 REFERENCE = BlockKernels(_reference_forward, _reference_backward)
+
+
+@dataclass(frozen=True)
+class VarlenBlockKernels:
+    """BlockKernels over packed sequences (flash_attn_varlen_func's layout: q (rows, heads, d), lse
+    (heads, rows)), each sequence in q and in k, v at the same offsets cu_seqlens:
+    forward(q, k, v, cu_seqlens, max_seqlen, causal, scale, softcap, sink) -> (o, lse);
+    backward(d_o, q, k, v, o, lse, cu_seqlens, max_seqlen, causal, scale, softcap, deterministic)."""
+
+    forward: Callable
+    backward: Callable
+
+
+def _flashgen_varlen_forward(q, k, v, cu, longest, causal, scale, softcap, sink):
+    from .varlen import attention_varlen
+
+    return attention_varlen(q, k, v, cu, cu, longest, longest, softmax_scale=scale, causal=causal, softcap=softcap,
+                            learnable_sink=sink, return_lse=True)
+
+
+def _flashgen_varlen_backward(d_o, q, k, v, o, lse, cu, longest, causal, scale, softcap, deterministic):
+    from . import ops
+
+    dq, dk, dv, _ = ops.backward_impl(d_o.contiguous(), q, k, v, o, lse, None, cu, cu, longest, longest, causal, scale,
+                                      deterministic, "", *_softcap_args(q, causal, softcap, cu.shape[0] - 1))
+    return dq, dk, dv
+
+
+FLASHGEN_VARLEN = VarlenBlockKernels(_flashgen_varlen_forward, _flashgen_varlen_backward)
+
+
+def _reference_varlen_forward(q, k, v, cu, longest, causal, scale, softcap, sink):
+    from . import reference
+
+    return reference.attention_varlen(q, k, v, cu, cu, longest, longest, softmax_scale=scale, causal=causal, softcap=softcap,
+                                      learnable_sink=sink, return_lse=True)
+
+
+def _reference_varlen_backward(d_o, q, k, v, o, lse, cu, longest, causal, scale, softcap, deterministic):
+    from . import reference
+
+    grads = [torch.zeros_like(t) for t in (q, k, v)]
+    starts = cu.tolist()
+    for a, b in zip(starts, starts[1:]):
+        rows = [t[a:b].transpose(0, 1)[None] for t in (d_o, q, k, v, o)]
+        for grad, part in zip(grads, reference.attention_backward(*rows, lse[None, :, a:b], causal, scale, softcap)):
+            grad[a:b] = part[0].transpose(0, 1)
+    return tuple(grads)
+
+
+REFERENCE_VARLEN = VarlenBlockKernels(_reference_varlen_forward, _reference_varlen_backward)
 
 
 # ---- sharding ------------------------------------------------------------------------------------
@@ -104,6 +162,40 @@ def unshard(shards: list[torch.Tensor], zigzag: bool = True, dim: int = 2) -> to
         for piece, c in zip(part.chunk(len(chunks_of(rank, world, zigzag)), dim), chunks_of(rank, world, zigzag)):
             pieces[c] = piece
     return torch.cat(pieces, dim)
+
+
+def _documents(cu_seqlens, world: int) -> list[int]:
+    """The documents' offsets over the whole packed sequence, checked: each one's length a multiple
+    of 2 x world (each rank holds two chunks of it, r and 2 x world - 1 - r)."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.device.type != "cpu":
+            raise ValueError("cu_seqlens must be on the host (a list or a CPU tensor): the documents' lengths decide the "
+                             "shards, so every rank knows them before the call")
+        cu_seqlens = cu_seqlens.tolist()
+    starts = [int(x) for x in cu_seqlens]
+    if not starts or starts[0] != 0 or any(b < a for a, b in zip(starts, starts[1:])):
+        raise ValueError(f"cu_seqlens must start at 0 and never decrease, got {starts[:8]}")
+    for d, (a, b) in enumerate(zip(starts, starts[1:])):
+        if (b - a) % (2 * world):
+            raise ValueError(f"document {d} has {b - a} tokens: sharding packed documents over {world} ranks needs each "
+                             f"length a multiple of {2 * world} (pad it)")
+    return starts
+
+
+def shard_varlen(x: torch.Tensor, cu_seqlens, rank: int, world: int) -> torch.Tensor:
+    """Rank `rank`'s shard of packed documents (x (total, ...), cu_seqlens their offsets): of each
+    document, its chunks r and 2 x world - 1 - r of 2 x world, in document order (Transformer
+    Engine's THD layout)."""
+    starts = _documents(cu_seqlens, world)
+    return torch.cat([shard(x[a:b], rank, world, True, dim=0) for a, b in zip(starts, starts[1:])])
+
+
+def unshard_varlen(shards: list[torch.Tensor], cu_seqlens) -> torch.Tensor:
+    """The packed documents from every rank's shard, in rank order."""
+    world = len(shards)
+    starts = _documents(cu_seqlens, world)
+    local = [a // world for a in starts]
+    return torch.cat([unshard([part[a:b] for part in shards], True, dim=0) for a, b in zip(local, local[1:])])
 
 
 # ---- the ring ------------------------------------------------------------------------------------
@@ -150,13 +242,24 @@ def _merge(o, lse, o_block, lse_block):
     return o * weight + o_block.float() * weight_block, new
 
 
-def _split(x, parts):
-    return x.chunk(parts, dim=2) if parts > 1 else (x,)
+@dataclass(frozen=True)
+class _Blocks:
+    """The ring's view of a layout: the sequence's dimension of q, k, v and o (2 fixed, 0 packed),
+    and one block's forward and backward with everything but the block's tensors bound. lse
+    travels in o's row layout (o.shape[:-1]: (batch, heads, rows) fixed, (rows, heads) packed)."""
+
+    dim: int
+    forward: Callable  # (q, k, v, causal, sink) -> (o, lse in o's row layout)
+    backward: Callable  # (d_o, q, k, v, o, lse in o's row layout, causal) -> (dq, dk, dv)
 
 
-def _forward(ring: _Ring, q, k, v, causal, scale, softcap, sink, zigzag, kernels: BlockKernels):
+def _split(x, parts, dim):
+    return x.chunk(parts, dim=dim) if parts > 1 else (x,)
+
+
+def _forward(ring: _Ring, q, k, v, causal, sink, zigzag, blocks: _Blocks):
     mine = chunks_of(ring.rank, ring.world, zigzag)
-    q_parts = _split(q, len(mine))
+    q_parts = _split(q, len(mine), blocks.dim)
     outs = [torch.zeros(*p.shape[:-1], v.shape[-1], dtype=torch.float32, device=q.device) for p in q_parts]
     lses = [torch.full(p.shape[:-1], -torch.inf, dtype=torch.float32, device=q.device) for p in q_parts]
     kv = (k, v)
@@ -164,7 +267,7 @@ def _forward(ring: _Ring, q, k, v, causal, scale, softcap, sink, zigzag, kernels
         pending = ring.start(kv) if step < ring.world - 1 else None
         source = (ring.rank - step) % ring.world
         theirs = chunks_of(source, ring.world, zigzag)
-        k_parts, v_parts = _split(kv[0], len(theirs)), _split(kv[1], len(theirs))
+        k_parts, v_parts = _split(kv[0], len(theirs), blocks.dim), _split(kv[1], len(theirs), blocks.dim)
         for i, a in enumerate(mine):
             for j, b in enumerate(theirs):
                 relation = _relation(a, b, causal)
@@ -172,37 +275,35 @@ def _forward(ring: _Ring, q, k, v, causal, scale, softcap, sink, zigzag, kernels
                     continue
                 # the sink joins each row once: in its rank's own first block (always visible)
                 with_sink = sink if step == 0 and j == (i if causal else 0) else None
-                o_block, lse_block = kernels.forward(q_parts[i], k_parts[j], v_parts[j], relation == "causal", scale, softcap,
-                                                     with_sink)
+                o_block, lse_block = blocks.forward(q_parts[i], k_parts[j], v_parts[j], relation == "causal", with_sink)
                 outs[i], lses[i] = _merge(outs[i], lses[i], o_block, lse_block)
         if pending is not None:
             kv = tuple(ring.finish(*pending))
-    return torch.cat(outs, 2).to(q.dtype), torch.cat(lses, 2)
+    return torch.cat(outs, blocks.dim).to(q.dtype), torch.cat(lses, blocks.dim)
 
 
-def _backward(ring: _Ring, d_o, q, k, v, o, lse, causal, scale, softcap, zigzag, deterministic, kernels: BlockKernels):
+def _backward(ring: _Ring, d_o, q, k, v, o, lse, causal, zigzag, blocks: _Blocks):
     mine = chunks_of(ring.rank, ring.world, zigzag)
-    parts = len(mine)
-    q_parts, o_parts, d_o_parts, lse_parts = _split(q, parts), _split(o, parts), _split(d_o, parts), _split(lse, parts)
+    parts, dim = len(mine), blocks.dim
+    q_parts, o_parts, d_o_parts, lse_parts = (_split(t, parts, dim) for t in (q, o, d_o, lse))
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dq_parts = _split(dq, parts)
+    dq_parts = _split(dq, parts, dim)
     kv, arriving = (k, v), None
     for step in range(ring.world):
         source = (ring.rank - step) % ring.world
         theirs = chunks_of(source, ring.world, zigzag)
-        k_parts, v_parts = _split(kv[0], len(theirs)), _split(kv[1], len(theirs))
+        k_parts, v_parts = _split(kv[0], len(theirs), dim), _split(kv[1], len(theirs), dim)
         # this rank's share of the block's dK/dV; the ranks before it add theirs in transit
         dkv = (torch.zeros(k.shape, dtype=torch.float32, device=k.device), torch.zeros(v.shape, dtype=torch.float32, device=v.device))
-        dk_parts, dv_parts = _split(dkv[0], len(theirs)), _split(dkv[1], len(theirs))
+        dk_parts, dv_parts = _split(dkv[0], len(theirs), dim), _split(dkv[1], len(theirs), dim)
         pending = ring.start(kv) if step < ring.world - 1 else None  # (the next block's K/V, under this one's work)
         for i, a in enumerate(mine):
             for j, b in enumerate(theirs):
                 relation = _relation(a, b, causal)
                 if relation == "none":
                     continue
-                dq_block, dk_block, dv_block = kernels.backward(d_o_parts[i], q_parts[i], k_parts[j], v_parts[j], o_parts[i],
-                                                                lse_parts[i], relation == "causal", scale, softcap,
-                                                                deterministic)
+                dq_block, dk_block, dv_block = blocks.backward(d_o_parts[i], q_parts[i], k_parts[j], v_parts[j], o_parts[i],
+                                                               lse_parts[i], relation == "causal")
                 dq_parts[i].add_(dq_block)
                 dk_parts[j].add_(dk_block)
                 dv_parts[j].add_(dv_block)
@@ -219,12 +320,13 @@ def _backward(ring: _Ring, d_o, q, k, v, o, lse, causal, scale, softcap, zigzag,
 
 
 class _RingAttention(torch.autograd.Function):
+    """The ring over a layout (`blocks`); its lse comes back in o's row layout."""
+
     @staticmethod
-    def forward(ctx, q, k, v, sink, group, causal, scale, softcap, zigzag, deterministic, kernels):
-        ring = _Ring(group)
-        o, lse = _forward(ring, q, k, v, causal, scale, softcap, sink, zigzag, kernels)
+    def forward(ctx, q, k, v, sink, group, causal, zigzag, blocks):
+        o, lse = _forward(_Ring(group), q, k, v, causal, sink, zigzag, blocks)
         ctx.save_for_backward(q, k, v, o, lse, sink)
-        ctx.settings = (group, causal, scale, softcap, zigzag, deterministic, kernels)
+        ctx.settings = (group, causal, zigzag, blocks)
         ctx.set_materialize_grads(False)
         return o, lse
 
@@ -232,17 +334,29 @@ class _RingAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_o, d_lse):
         if d_lse is not None:
-            raise NotImplementedError("ring_attention's lse takes no gradient (use it as a value, as merge weights do)")
+            raise NotImplementedError("ring attention's lse takes no gradient (use it as a value, as merge weights do)")
         q, k, v, o, lse, sink = ctx.saved_tensors
-        group, causal, scale, softcap, zigzag, deterministic, kernels = ctx.settings
+        group, causal, zigzag, blocks = ctx.settings
         if d_o is None:
             d_o = torch.zeros_like(o)
-        dq, dk, dv = _backward(_Ring(group), d_o, q, k, v, o, lse, causal, scale, softcap, zigzag, deterministic, kernels)
+        dq, dk, dv = _backward(_Ring(group), d_o, q, k, v, o, lse, causal, zigzag, blocks)
         d_sink = None
         if sink is not None and ctx.needs_input_grad[3]:  # this rank's rows' share: sum it over the group as any gradient
-            delta = (d_o.float() * o.float()).sum(-1)
-            d_sink = -(torch.exp(sink.float()[None, :, None] - lse) * delta).sum((0, 2))
-        return dq, dk, dv, d_sink, None, None, None, None, None, None, None
+            delta = (d_o.float() * o.float()).sum(-1)  # (o's row layout, like lse)
+            heads = sink.float()[:, None] if blocks.dim == 2 else sink.float()
+            d_sink = -(torch.exp(heads - lse) * delta)
+            d_sink = d_sink.sum((0, 2)) if blocks.dim == 2 else d_sink.sum(0)
+        return dq, dk, dv, d_sink, None, None, None, None
+
+
+def _check_ring(q, k, v, layout: str):
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("ring attention runs over torch.distributed: call torch.distributed.init_process_group first")
+    dims = 4 if layout == "fixed" else 3
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != dims:
+            shape = "(batch, heads, seqlen_shard, head_dim)" if dims == 4 else "(total_shard, heads, head_dim)"
+            raise ValueError(f"{name} must be a {dims}-D tensor {shape}, this rank's shard")
 
 
 def ring_attention(q, k, v, group=None, causal: bool = False, scale: float | None = None, softcap: float = 0.0,
@@ -261,20 +375,18 @@ def ring_attention(q, k, v, group=None, causal: bool = False, scale: float | Non
     The ring fixes the order of the merges and of the gradients' sums; with deterministic=True the
     blocks' backward kernels are the deterministic ones too (attention()'s flag), and reruns are
     bitwise identical."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("ring_attention runs over torch.distributed: call torch.distributed.init_process_group first")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-D tensor (batch, heads, seqlen_shard, head_dim), this rank's shard")
+    _check_ring(q, k, v, "fixed")
     if k.shape[2] != q.shape[2] or v.shape[2] != k.shape[2]:
         raise ValueError(f"q, k and v must hold one shard of the sequence: seqlen_shard {q.shape[2]}, {k.shape[2]}, "
                          f"{v.shape[2]}")
-    parts = 2 if zigzag else 1
-    if q.shape[2] % parts:
+    if zigzag and q.shape[2] % 2:
         raise ValueError(f"a zigzag shard holds two chunks of one length: seqlen_shard={q.shape[2]} must be even")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    o, lse = _RingAttention.apply(q, k, v, learnable_sink, group, bool(causal), scale, float(softcap), bool(zigzag),
-                                  bool(deterministic), kernels)
+    blocks = _Blocks(
+        2, lambda q, k, v, causal, sink: kernels.forward(q, k, v, causal, scale, float(softcap), sink),
+        lambda d_o, q, k, v, o, lse, causal: kernels.backward(d_o, q, k, v, o, lse, causal, scale, float(softcap),
+                                                              bool(deterministic)))
+    o, lse = _RingAttention.apply(q, k, v, learnable_sink, group, bool(causal), bool(zigzag), blocks)
     return (o, lse) if return_lse else o
 
 
@@ -349,3 +461,39 @@ def ulysses_attention(q, k, v, group=None, causal: bool = False, scale: float | 
     if not return_lse:
         return o
     return o, _to_sequence(lse[..., None], group, world, zigzag)[..., 0]
+
+
+def ring_attention_varlen(q, k, v, cu_seqlens, max_seqlen: int, group=None, causal: bool = False, scale: float | None = None,
+                          softcap: float = 0.0, learnable_sink: torch.Tensor | None = None, return_lse: bool = False,
+                          deterministic: bool = False, kernels: VarlenBlockKernels = FLASHGEN_VARLEN):
+    """ring_attention over packed documents sharded across the ranks (Transformer Engine's THD
+    layout): q (total_shard, heads, d), k, v (total_shard, heads_kv, d), this rank's shard
+    (`shard_varlen`: each document's chunks r and 2 x world - 1 - r); cu_seqlens the documents'
+    offsets over the whole packed sequence, on the host (every rank passes the same), each length
+    a multiple of 2 x world; max_seqlen the longest document's length. Attention stays within each
+    document (causal: bottom-right within it). Returns this rank's rows (and with return_lse their
+    fp32 lse, (heads, total_shard)); differentiable in q, k, v and learnable_sink."""
+    _check_ring(q, k, v, "packed")
+    world = dist.get_world_size(group)
+    starts = _documents(cu_seqlens, world)
+    if q.shape[0] != starts[-1] // world or k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
+        raise ValueError(f"q, k, v have {q.shape[0]}, {k.shape[0]}, {v.shape[0]} rows: this rank's shard of {starts[-1]} "
+                         f"packed tokens over {world} ranks has {starts[-1] // world}")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    # chunk-major order: every document's first chunk, then every document's second, so that the
+    # ring's two halves are packed sequences of their own (offsets cu_seqlens / (2 x world))
+    half = torch.tensor([a // (2 * world) for a in starts], dtype=torch.int32, device=q.device)
+    order = torch.cat([torch.arange(a // world + h * (b - a) // (2 * world), a // world + (h + 1) * (b - a) // (2 * world))
+                       for h in (0, 1) for a, b in zip(starts, starts[1:])]).to(q.device)
+    back = torch.empty_like(order)
+    back[order] = torch.arange(order.numel(), device=q.device)
+    longest = max(int(max_seqlen), 0) // (2 * world)
+    blocks = _Blocks(
+        0, lambda q, k, v, causal, sink: (lambda o, lse: (o, lse.t()))(
+            *kernels.forward(q, k, v, half, longest, causal, scale, float(softcap), sink)),
+        lambda d_o, q, k, v, o, lse, causal: kernels.backward(d_o, q, k, v, o, lse.t().contiguous(), half, longest, causal, scale,
+                                                              float(softcap), bool(deterministic)))
+    o, lse = _RingAttention.apply(*(t.index_select(0, order) for t in (q, k, v)), learnable_sink, group, bool(causal), True,
+                                  blocks)
+    o, lse = o.index_select(0, back), lse.index_select(0, back).t()
+    return (o, lse) if return_lse else o

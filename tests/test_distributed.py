@@ -101,6 +101,61 @@ def test_ulysses_attention_matches_attention_over_the_whole_sequence():
         mp.spawn(_ulysses_worker, args=(2, os.path.join(tmp, "rendezvous"), 24), nprocs=2)
 
 
+def _varlen_worker(rank, world, path):
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    try:
+        lengths = [4 * world, 10 * world, 2 * world, 0]  # (and an empty document)
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        for causal, softcap, with_sink in [(True, 0.0, False), (False, 0.0, True), (True, 15.0, True)]:
+            gen = torch.Generator().manual_seed(int(causal) + 7)
+            q = torch.randn(cu[-1], 4, 16, generator=gen)
+            k, v = (torch.randn(cu[-1], 2, 16, generator=gen) for _ in range(2))
+            d_o = torch.randn(q.shape, generator=gen)
+            sink = torch.linspace(-1.0, 2.0, 4) if with_sink else None
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)] + ([sink.clone().requires_grad_()] if with_sink else [])
+            cu_t = torch.tensor(cu, dtype=torch.int32)
+            want, want_lse = reference.attention_varlen(*leaves[:3], cu_t, cu_t, max(lengths), max(lengths), causal=causal,
+                                                        softcap=softcap, learnable_sink=leaves[3] if with_sink else None,
+                                                        return_lse=True)
+            want.backward(d_o)
+            mine = [distributed.shard_varlen(t, cu, rank, world).clone().requires_grad_() for t in (q, k, v)]
+            ring_sink = sink.clone().requires_grad_() if with_sink else None
+            out, lse = distributed.ring_attention_varlen(*mine, cu, max(lengths), causal=causal, softcap=softcap,
+                                                         learnable_sink=ring_sink, return_lse=True,
+                                                         kernels=distributed.REFERENCE_VARLEN)
+            out.backward(distributed.shard_varlen(d_o, cu, rank, world))
+            case = f"varlen causal={causal} softcap={softcap} sink={with_sink}, rank {rank}"
+            close = dict(rtol=1e-4, atol=2e-5, msg=lambda m: f"{case}: {m}")
+            torch.testing.assert_close(out, distributed.shard_varlen(want.detach(), cu, rank, world), **close)
+            torch.testing.assert_close(lse, distributed.shard_varlen(want_lse.detach().t(), cu, rank, world).t(), **close)
+            for got, leaf in zip(mine, leaves):
+                torch.testing.assert_close(got.grad, distributed.shard_varlen(leaf.grad, cu, rank, world), **close)
+            if with_sink:
+                dist.all_reduce(ring_sink.grad)
+                torch.testing.assert_close(ring_sink.grad, leaves[3].grad, **close)
+        odd = 2 * world + 1
+        with pytest.raises(ValueError, match=f"document 1 has {odd} tokens: sharding packed documents over {world} ranks"):
+            distributed.ring_attention_varlen(*(torch.zeros(3, 1, 16) for _ in range(3)), [0, 4 * world, 4 * world + odd], odd)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_attention_over_packed_documents(world):
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_varlen_worker, args=(world, os.path.join(tmp, "rendezvous")), nprocs=world)
+
+
+def test_packed_shards_put_back_in_order_give_the_documents():
+    cu = [0, 8, 8, 20]
+    x = torch.arange(20)
+    shards = [distributed.shard_varlen(x, cu, rank, 2) for rank in range(2)]
+    assert shards[0].tolist() == [0, 1, 6, 7, 8, 9, 10, 17, 18, 19]  # of each document, chunks 0 and 3 of four
+    assert torch.equal(distributed.unshard_varlen(shards, cu), x)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_ring_attention_matches_attention_over_the_whole_sequence(world):
     with tempfile.TemporaryDirectory() as tmp:

@@ -52,12 +52,30 @@ def test_ring_attention_of_one_rank_through_nccl(causal):
         try:
             _check(0, 1, 2048, causal)
             _check(0, 1, 2048, causal, distributed.ulysses_attention)
+            _check_varlen(0, 1, causal)
             q, k, v, _ = _problem(512, seed=1)
             o, lse = distributed.ring_attention(q, k, v, causal=causal, return_lse=True)
             want, want_lse = flashgen.attention(q, k, v, causal=causal, return_lse=True)
             torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-4)
         finally:
             dist.destroy_process_group()
+
+
+def _check_varlen(rank, world, causal):
+    """This rank's shard of packed documents through the ring against the oracle, by the numerics rule."""
+    lengths = [512 * world, 2048 * world, 64 * world]
+    cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(cu[-1], 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(cu[-1], 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    d_o = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+    cu_t = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    ours = _grads(lambda *t: distributed.ring_attention_varlen(*t, cu, max(lengths), causal=causal),
+                  [distributed.shard_varlen(t, cu, rank, world) for t in (q, k, v)], distributed.shard_varlen(d_o, cu, rank, world))
+    exact, low = (_grads(lambda q, k, v: reference.attention_varlen(q, k, v, cu_t, cu_t, max(lengths), max(lengths), causal=causal,
+                                                                   upcast=up), (q, k, v), d_o) for up in (True, False))
+    check_by_the_numerics_rule(ours, [distributed.shard_varlen(t, cu, rank, world) for t in exact],
+                               [distributed.shard_varlen(t, cu, rank, world) for t in low], torch.bfloat16)
 
 
 def _two_ranks(rank, path):
@@ -67,6 +85,7 @@ def _two_ranks(rank, path):
         for causal in (False, True):
             _check(rank, 2, 4096, causal)
             _check(rank, 2, 4096, causal, distributed.ulysses_attention)
+            _check_varlen(rank, 2, causal)
     finally:
         dist.destroy_process_group()
 
