@@ -359,9 +359,16 @@ def _check_ring(q, k, v, layout: str):
             raise ValueError(f"{name} must be a {dims}-D tensor {shape}, this rank's shard")
 
 
-def ring_attention(q, k, v, group=None, causal: bool = False, scale: float | None = None, softcap: float = 0.0,
-                   learnable_sink: torch.Tensor | None = None, zigzag: bool = True, return_lse: bool = False,
-                   deterministic: bool = False, kernels: BlockKernels = FLASHGEN):
+def _refuse_positional(function: str, window_size, alibi_slopes) -> None:
+    if tuple(window_size) != (-1, -1) or alibi_slopes is not None:
+        given = "window_size" if tuple(window_size) != (-1, -1) else "alibi_slopes"
+        raise ValueError(f"{given} with {function}: a window or ALiBi needs each block's position in the whole sequence, "
+                         f"which the ring's blocks do not take yet; ulysses_attention takes every variant")
+
+
+def ring_attention(q, k, v, group=None, causal: bool = False, scale: float | None = None, window_size=(-1, -1),
+                   softcap: float = 0.0, alibi_slopes=None, learnable_sink: torch.Tensor | None = None, zigzag: bool = True,
+                   return_lse: bool = False, deterministic: bool = False, kernels: BlockKernels = FLASHGEN):
     """Attention over a sequence sharded across the ranks of `group` (torch.distributed; None: the
     default group), in SDPA's layout: q (batch, heads, seqlen_shard, d), k, v (batch, heads_kv,
     seqlen_shard, d), this rank's shard (`shard`: zigzag by default, which `causal` needs for every
@@ -371,11 +378,13 @@ def ring_attention(q, k, v, group=None, causal: bool = False, scale: float | Non
     rows' share: sum it over the group like any replicated parameter's).
 
     Only the KV heads travel (GQA sends heads_kv of them). softcap and learnable_sink as in
-    flashgen.attention; a window or ALiBi needs positions across shards and is refused by name.
+    flashgen.attention; window_size and alibi_slopes need each block's position in the whole
+    sequence and are refused by name (ulysses_attention takes them).
     The ring fixes the order of the merges and of the gradients' sums; with deterministic=True the
     blocks' backward kernels are the deterministic ones too (attention()'s flag), and reruns are
     bitwise identical."""
     _check_ring(q, k, v, "fixed")
+    _refuse_positional("ring_attention", window_size, alibi_slopes)
     if k.shape[2] != q.shape[2] or v.shape[2] != k.shape[2]:
         raise ValueError(f"q, k and v must hold one shard of the sequence: seqlen_shard {q.shape[2]}, {k.shape[2]}, "
                          f"{v.shape[2]}")
@@ -464,8 +473,9 @@ def ulysses_attention(q, k, v, group=None, causal: bool = False, scale: float | 
 
 
 def ring_attention_varlen(q, k, v, cu_seqlens, max_seqlen: int, group=None, causal: bool = False, scale: float | None = None,
-                          softcap: float = 0.0, learnable_sink: torch.Tensor | None = None, return_lse: bool = False,
-                          deterministic: bool = False, kernels: VarlenBlockKernels = FLASHGEN_VARLEN):
+                          window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
+                          learnable_sink: torch.Tensor | None = None, return_lse: bool = False, deterministic: bool = False,
+                          kernels: VarlenBlockKernels = FLASHGEN_VARLEN):
     """ring_attention over packed documents sharded across the ranks (Transformer Engine's THD
     layout): q (total_shard, heads, d), k, v (total_shard, heads_kv, d), this rank's shard
     (`shard_varlen`: each document's chunks r and 2 x world - 1 - r); cu_seqlens the documents'
@@ -474,6 +484,7 @@ def ring_attention_varlen(q, k, v, cu_seqlens, max_seqlen: int, group=None, caus
     document (causal: bottom-right within it). Returns this rank's rows (and with return_lse their
     fp32 lse, (heads, total_shard)); differentiable in q, k, v and learnable_sink."""
     _check_ring(q, k, v, "packed")
+    _refuse_positional("ring_attention_varlen", window_size, alibi_slopes)
     world = dist.get_world_size(group)
     starts = _documents(cu_seqlens, world)
     if q.shape[0] != starts[-1] // world or k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:

@@ -135,6 +135,8 @@ def _varlen_worker(rank, world, path):
             if with_sink:
                 dist.all_reduce(ring_sink.grad)
                 torch.testing.assert_close(ring_sink.grad, leaves[3].grad, **close)
+        with pytest.raises(ValueError, match="window_size with ring_attention_varlen: .* ulysses_attention takes every variant"):
+            distributed.ring_attention_varlen(*(torch.zeros(3, 1, 16) for _ in range(3)), cu, 8, window_size=(4, 0))
         odd = 2 * world + 1
         with pytest.raises(ValueError, match=f"document 1 has {odd} tokens: sharding packed documents over {world} ranks"):
             distributed.ring_attention_varlen(*(torch.zeros(3, 1, 16) for _ in range(3)), [0, 4 * world, 4 * world + odd], odd)
@@ -175,3 +177,5 @@ def test_uneven_and_bad_shards_are_refused_by_name():
         distributed.shard(torch.zeros(1, 1, 12, 8), 0, 4)
     with pytest.raises(RuntimeError, match="call torch.distributed.init_process_group first"):
         distributed.ring_attention(*(torch.zeros(1, 1, 4, 8) for _ in range(3)))
+    with pytest.raises(RuntimeError, match="call torch.distributed.init_process_group first"):
+        distributed.ulysses_attention(*(torch.zeros(1, 1, 4, 8) for _ in range(3)))
