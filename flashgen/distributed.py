@@ -31,50 +31,53 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class BlockKernels:
-    """One block of attention and its gradients, SDPA's layout:
-    forward(q, k, v, causal, scale, softcap, sink) -> (o, lse (batch, heads, seqlen_q) fp32);
-    backward(d_o, q, k, v, o, lse, causal, scale, softcap, deterministic) -> (dq, dk, dv), P from the
-    given lse and delta from the given o (the whole row's: see flashgen.reference.attention_backward)."""
+    """One block of attention and its gradients, SDPA's layout; `variant` holds the variant
+    keywords the block takes (flashgen.attention's, by name):
+    forward(q, k, v, causal, scale, variant) -> (o, lse (batch, heads, seqlen_q) fp32);
+    backward(d_o, q, k, v, o, lse, causal, scale, variant, deterministic) -> (dq, dk, dv), P from
+    the given lse and delta from the given o (the whole row's: see flashgen.reference.attention_backward)."""
 
     forward: Callable
     backward: Callable
 
 
-def _flashgen_forward(q, k, v, causal, scale, softcap, sink):
-    from . import api
-
-    return api.call(q, k, v, causal, scale, True, True, softcap=softcap, learnable_sink=sink)
-
-
-def _softcap_args(q, causal, softcap, sequences):
+def _op_args(q, causal, variant: dict, sequences: int) -> tuple:
+    """The ops' variant arguments of a block's variant keywords (none: plain)."""
     from . import variants
 
-    if not softcap:
+    if not variant:
         return ()
-    return variants.make(variants.Call(causal, sequences, q.shape[-2], q.device, keys=0), softcap=softcap).op_args()
+    return variants.make(variants.Call(causal, sequences, q.shape[-3] if q.dim() == 3 else q.shape[1], q.device, keys=None),
+                         **variant).op_args()
 
 
-def _flashgen_backward(d_o, q, k, v, o, lse, causal, scale, softcap, deterministic):
+def _flashgen_forward(q, k, v, causal, scale, variant):
+    from . import api
+
+    return api.call(q, k, v, causal, scale, True, True, **variant)
+
+
+def _flashgen_backward(d_o, q, k, v, o, lse, causal, scale, variant, deterministic):
     from . import ops
 
     dq, dk, dv, _ = ops.backward_impl(d_o.contiguous(), q, k, v, o, lse, None, None, None, 0, 0, causal, scale, deterministic,
-                                      "", *_softcap_args(q, causal, softcap, q.shape[0]))
+                                      "", *_op_args(q, causal, variant, q.shape[0]))
     return dq, dk, dv
 
 
 FLASHGEN = BlockKernels(_flashgen_forward, _flashgen_backward)
 
 
-def _reference_forward(q, k, v, causal, scale, softcap, sink):
+def _reference_forward(q, k, v, causal, scale, variant):
     from . import reference
 
-    return reference.naive_attention(q, k, v, causal, scale, softcap=softcap, learnable_sink=sink, return_lse=True)
+    return reference.naive_attention(q, k, v, causal, scale, return_lse=True, **variant)
 
 
-def _reference_backward(d_o, q, k, v, o, lse, causal, scale, softcap, deterministic):
+def _reference_backward(d_o, q, k, v, o, lse, causal, scale, variant, deterministic):
     from . import reference
 
-    return reference.attention_backward(d_o, q, k, v, o, lse, causal, scale, softcap)
+    return reference.attention_backward(d_o, q, k, v, o, lse, causal, scale, **variant)
 
 
 REFERENCE = BlockKernels(_reference_forward, _reference_backward)
@@ -84,51 +87,72 @@ REFERENCE = BlockKernels(_reference_forward, _reference_backward)
 class VarlenBlockKernels:
     """BlockKernels over packed sequences (flash_attn_varlen_func's layout: q (rows, heads, d), lse
     (heads, rows)), each sequence in q and in k, v at the same offsets cu_seqlens:
-    forward(q, k, v, cu_seqlens, max_seqlen, causal, scale, softcap, sink) -> (o, lse);
-    backward(d_o, q, k, v, o, lse, cu_seqlens, max_seqlen, causal, scale, softcap, deterministic)."""
+    forward(q, k, v, cu_seqlens, max_seqlen, causal, scale, variant) -> (o, lse);
+    backward(d_o, q, k, v, o, lse, cu_seqlens, max_seqlen, causal, scale, variant, deterministic)."""
 
     forward: Callable
     backward: Callable
 
 
-def _flashgen_varlen_forward(q, k, v, cu, longest, causal, scale, softcap, sink):
+def _flashgen_varlen_forward(q, k, v, cu, longest, causal, scale, variant):
     from .varlen import attention_varlen
 
-    return attention_varlen(q, k, v, cu, cu, longest, longest, softmax_scale=scale, causal=causal, softcap=softcap,
-                            learnable_sink=sink, return_lse=True)
+    return attention_varlen(q, k, v, cu, cu, longest, longest, softmax_scale=scale, causal=causal, return_lse=True, **variant)
 
 
-def _flashgen_varlen_backward(d_o, q, k, v, o, lse, cu, longest, causal, scale, softcap, deterministic):
+def _flashgen_varlen_backward(d_o, q, k, v, o, lse, cu, longest, causal, scale, variant, deterministic):
     from . import ops
 
     dq, dk, dv, _ = ops.backward_impl(d_o.contiguous(), q, k, v, o, lse, None, cu, cu, longest, longest, causal, scale,
-                                      deterministic, "", *_softcap_args(q, causal, softcap, cu.shape[0] - 1))
+                                      deterministic, "", *_op_args(q, causal, variant, cu.shape[0] - 1))
     return dq, dk, dv
 
 
 FLASHGEN_VARLEN = VarlenBlockKernels(_flashgen_varlen_forward, _flashgen_varlen_backward)
 
 
-def _reference_varlen_forward(q, k, v, cu, longest, causal, scale, softcap, sink):
+def _reference_varlen_forward(q, k, v, cu, longest, causal, scale, variant):
     from . import reference
 
-    return reference.attention_varlen(q, k, v, cu, cu, longest, longest, softmax_scale=scale, causal=causal, softcap=softcap,
-                                      learnable_sink=sink, return_lse=True)
+    return reference.attention_varlen(q, k, v, cu, cu, longest, longest, softmax_scale=scale, causal=causal, return_lse=True,
+                                      **variant)
 
 
-def _reference_varlen_backward(d_o, q, k, v, o, lse, cu, longest, causal, scale, softcap, deterministic):
+def _reference_varlen_backward(d_o, q, k, v, o, lse, cu, longest, causal, scale, variant, deterministic):
     from . import reference
 
     grads = [torch.zeros_like(t) for t in (q, k, v)]
     starts = cu.tolist()
     for a, b in zip(starts, starts[1:]):
         rows = [t[a:b].transpose(0, 1)[None] for t in (d_o, q, k, v, o)]
-        for grad, part in zip(grads, reference.attention_backward(*rows, lse[None, :, a:b], causal, scale, softcap)):
+        for grad, part in zip(grads, reference.attention_backward(*rows, lse[None, :, a:b], causal, scale, **variant)):
             grad[a:b] = part[0].transpose(0, 1)
     return tuple(grads)
 
 
 REFERENCE_VARLEN = VarlenBlockKernels(_reference_varlen_forward, _reference_varlen_backward)
+
+
+def _ring_variant(function: str, given: dict) -> tuple[dict, dict]:
+    """A ring's variant keywords, sorted by the registry's traits: (those every block takes: a
+    pointwise score, softcap; those that join each row once, in its first block: a softmax state,
+    a sink). A mask or a positional score (a window, ALiBi, a rule) needs each block's place in the
+    whole sequence, which the blocks do not take: refused by name."""
+    from . import variants
+
+    by_keyword = {declaration.keyword: declaration for declaration in variants.REGISTRY}
+    every, once = {}, {}
+    for keyword, value in given.items():
+        declaration = by_keyword.get(keyword)
+        if declaration is None:
+            raise TypeError(f"{function}() got an unexpected keyword argument {keyword!r}")
+        if value is None or (not isinstance(value, torch.Tensor) and value == declaration.default):
+            continue  # (off)
+        if declaration.mask or declaration.score in ("positional", "rule"):
+            raise ValueError(f"{keyword} with {function}: it needs each block's position in the whole sequence, which "
+                             f"the ring's blocks do not take yet; ulysses_attention takes every variant")
+        (once if declaration.state else every)[keyword] = value
+    return every, once
 
 
 # ---- sharding ------------------------------------------------------------------------------------
@@ -249,7 +273,7 @@ class _Blocks:
     travels in o's row layout (o.shape[:-1]: (batch, heads, rows) fixed, (rows, heads) packed)."""
 
     dim: int
-    forward: Callable  # (q, k, v, causal, sink) -> (o, lse in o's row layout)
+    forward: Callable  # (q, k, v, causal, first: the row's first block) -> (o, lse in o's row layout)
     backward: Callable  # (d_o, q, k, v, o, lse in o's row layout, causal) -> (dq, dk, dv)
 
 
@@ -257,7 +281,7 @@ def _split(x, parts, dim):
     return x.chunk(parts, dim=dim) if parts > 1 else (x,)
 
 
-def _forward(ring: _Ring, q, k, v, causal, sink, zigzag, blocks: _Blocks):
+def _forward(ring: _Ring, q, k, v, causal, zigzag, blocks: _Blocks):
     mine = chunks_of(ring.rank, ring.world, zigzag)
     q_parts = _split(q, len(mine), blocks.dim)
     outs = [torch.zeros(*p.shape[:-1], v.shape[-1], dtype=torch.float32, device=q.device) for p in q_parts]
@@ -273,9 +297,9 @@ def _forward(ring: _Ring, q, k, v, causal, sink, zigzag, blocks: _Blocks):
                 relation = _relation(a, b, causal)
                 if relation == "none":
                     continue
-                # the sink joins each row once: in its rank's own first block (always visible)
-                with_sink = sink if step == 0 and j == (i if causal else 0) else None
-                o_block, lse_block = blocks.forward(q_parts[i], k_parts[j], v_parts[j], relation == "causal", with_sink)
+                # a softmax state (a sink) joins each row once: in its rank's own first block (always visible)
+                first = step == 0 and j == (i if causal else 0)
+                o_block, lse_block = blocks.forward(q_parts[i], k_parts[j], v_parts[j], relation == "causal", first)
                 outs[i], lses[i] = _merge(outs[i], lses[i], o_block, lse_block)
         if pending is not None:
             kv = tuple(ring.finish(*pending))
@@ -320,33 +344,48 @@ def _backward(ring: _Ring, d_o, q, k, v, o, lse, causal, zigzag, blocks: _Blocks
 
 
 class _RingAttention(torch.autograd.Function):
-    """The ring over a layout (`blocks`); its lse comes back in o's row layout."""
+    """The ring over a layout (`blocks`); its lse comes back in o's row layout. `learned` names
+    the variant tensors that take a gradient (a sink), which follow as inputs."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sink, group, causal, zigzag, blocks):
-        o, lse = _forward(_Ring(group), q, k, v, causal, sink, zigzag, blocks)
-        ctx.save_for_backward(q, k, v, o, lse, sink)
-        ctx.settings = (group, causal, zigzag, blocks)
+    def forward(ctx, q, k, v, group, causal, zigzag, blocks, learned, *tensors):
+        o, lse = _forward(_Ring(group), q, k, v, causal, zigzag, blocks)
+        ctx.save_for_backward(q, k, v, o, lse, *tensors)
+        ctx.settings = (group, causal, zigzag, blocks, learned)
         ctx.set_materialize_grads(False)
         return o, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_o, d_lse):
+        from . import variants
+
         if d_lse is not None:
             raise NotImplementedError("ring attention's lse takes no gradient (use it as a value, as merge weights do)")
-        q, k, v, o, lse, sink = ctx.saved_tensors
-        group, causal, zigzag, blocks = ctx.settings
+        q, k, v, o, lse, *tensors = ctx.saved_tensors
+        group, causal, zigzag, blocks, learned = ctx.settings
         if d_o is None:
             d_o = torch.zeros_like(o)
         dq, dk, dv = _backward(_Ring(group), d_o, q, k, v, o, lse, causal, zigzag, blocks)
-        d_sink = None
-        if sink is not None and ctx.needs_input_grad[3]:  # this rank's rows' share: sum it over the group as any gradient
-            delta = (d_o.float() * o.float()).sum(-1)  # (o's row layout, like lse)
-            heads = sink.float()[:, None] if blocks.dim == 2 else sink.float()
-            d_sink = -(torch.exp(heads - lse) * delta)
-            d_sink = d_sink.sum((0, 2)) if blocks.dim == 2 else d_sink.sum(0)
-        return dq, dk, dv, d_sink, None, None, None, None
+        # a learned value's gradient from this rank's rows (the registry's formula): sum it over the
+        # group as any replicated parameter's
+        delta = (d_o.float() * o.float()).sum(-1)  # (o's row layout, like lse)
+        if blocks.dim == 0:  # packed: the formula's (heads, rows), one sequence of them
+            delta, lse = delta.t(), lse.t()
+        rows_of = lse.shape[0] if blocks.dim == 2 else 1
+        grads = [variants.GRADIENTS[name](t.expand(rows_of, t.shape[-1]), delta, lse, None).sum(0) if needed else None
+                 for name, t, needed in zip(learned, tensors, ctx.needs_input_grad[8:])]
+        return dq, dk, dv, None, None, None, None, None, *grads
+
+
+def _ring(q, k, v, group, causal, zigzag, blocks_of, every, once):
+    """The ring's call, the variant sorted (_ring_variant), its learned tensors made inputs of the
+    autograd function."""
+    from . import variants
+
+    learned = {name: value for name, value in once.items() if name in variants.GRADIENTS}
+    blocks = blocks_of(every, once)
+    return _RingAttention.apply(q, k, v, group, bool(causal), bool(zigzag), blocks, tuple(learned), *learned.values())
 
 
 def _check_ring(q, k, v, layout: str):
@@ -359,16 +398,8 @@ def _check_ring(q, k, v, layout: str):
             raise ValueError(f"{name} must be a {dims}-D tensor {shape}, this rank's shard")
 
 
-def _refuse_positional(function: str, window_size, alibi_slopes) -> None:
-    if tuple(window_size) != (-1, -1) or alibi_slopes is not None:
-        given = "window_size" if tuple(window_size) != (-1, -1) else "alibi_slopes"
-        raise ValueError(f"{given} with {function}: a window or ALiBi needs each block's position in the whole sequence, "
-                         f"which the ring's blocks do not take yet; ulysses_attention takes every variant")
-
-
-def ring_attention(q, k, v, group=None, causal: bool = False, scale: float | None = None, window_size=(-1, -1),
-                   softcap: float = 0.0, alibi_slopes=None, learnable_sink: torch.Tensor | None = None, zigzag: bool = True,
-                   return_lse: bool = False, deterministic: bool = False, kernels: BlockKernels = FLASHGEN):
+def ring_attention(q, k, v, group=None, causal: bool = False, scale: float | None = None, zigzag: bool = True,
+                   return_lse: bool = False, deterministic: bool = False, kernels: BlockKernels = FLASHGEN, **variant):
     """Attention over a sequence sharded across the ranks of `group` (torch.distributed; None: the
     default group), in SDPA's layout: q (batch, heads, seqlen_shard, d), k, v (batch, heads_kv,
     seqlen_shard, d), this rank's shard (`shard`: zigzag by default, which `causal` needs for every
@@ -377,25 +408,26 @@ def ring_attention(q, k, v, group=None, causal: bool = False, scale: float | Non
     log-sum-exp); differentiable in q, k, v and learnable_sink (a sink's gradient is this rank's
     rows' share: sum it over the group like any replicated parameter's).
 
-    Only the KV heads travel (GQA sends heads_kv of them). softcap and learnable_sink as in
-    flashgen.attention; window_size and alibi_slopes need each block's position in the whole
-    sequence and are refused by name (ulysses_attention takes them).
-    The ring fixes the order of the merges and of the gradients' sums; with deterministic=True the
-    blocks' backward kernels are the deterministic ones too (attention()'s flag), and reruns are
-    bitwise identical."""
+    Only the KV heads travel (GQA sends heads_kv of them). The variant keywords are
+    flashgen.attention's: softcap and learnable_sink apply; window_size, alibi_slopes and the rules
+    need each block's position in the whole sequence and are refused by name (ulysses_attention
+    takes them). The ring fixes the order of the merges and of the gradients' sums; with
+    deterministic=True the blocks' backward kernels are the deterministic ones too (attention()'s
+    flag), and reruns are bitwise identical."""
     _check_ring(q, k, v, "fixed")
-    _refuse_positional("ring_attention", window_size, alibi_slopes)
+    every, once = _ring_variant("ring_attention", variant)
     if k.shape[2] != q.shape[2] or v.shape[2] != k.shape[2]:
         raise ValueError(f"q, k and v must hold one shard of the sequence: seqlen_shard {q.shape[2]}, {k.shape[2]}, "
                          f"{v.shape[2]}")
     if zigzag and q.shape[2] % 2:
         raise ValueError(f"a zigzag shard holds two chunks of one length: seqlen_shard={q.shape[2]} must be even")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    blocks = _Blocks(
-        2, lambda q, k, v, causal, sink: kernels.forward(q, k, v, causal, scale, float(softcap), sink),
-        lambda d_o, q, k, v, o, lse, causal: kernels.backward(d_o, q, k, v, o, lse, causal, scale, float(softcap),
-                                                              bool(deterministic)))
-    o, lse = _RingAttention.apply(q, k, v, learnable_sink, group, bool(causal), bool(zigzag), blocks)
+
+    def blocks_of(every, once):
+        return _Blocks(2, lambda q, k, v, causal, first: kernels.forward(q, k, v, causal, scale, {**every, **(once if first else {})}),
+                       lambda d_o, q, k, v, o, lse, causal: kernels.backward(d_o, q, k, v, o, lse, causal, scale, every,
+                                                                             bool(deterministic)))
+    o, lse = _ring(q, k, v, group, causal, zigzag, blocks_of, every, once)
     return (o, lse) if return_lse else o
 
 
@@ -440,8 +472,8 @@ def ulysses_attention(q, k, v, group=None, causal: bool = False, scale: float | 
     both). heads and heads_kv must be multiples of the group's size. Each rank attends over the
     whole sequence for its share of the heads with flashgen.attention (`attend`: a function with
     its keywords, the oracle's in the CPU tests), so every variant keyword it takes applies
-    (window_size, softcap, alibi_slopes of (heads,) or (batch, heads), learnable_sink; a sink's and
-    the slopes' gradients are each rank's share of the heads: sum them over the group).
+    (per-head tensors, the heads their last dimension, are cut to this rank's share: a sink's and
+    the slopes' gradients are each rank's share of the heads; sum them over the group).
     Differentiable; returns this rank's rows (and with return_lse their fp32 log-sum-exp).
 
     Which to use: Ulysses moves 4 shard-sized tensors per rank (q, k, v there; o back) in two
@@ -458,9 +490,8 @@ def ulysses_attention(q, k, v, group=None, causal: bool = False, scale: float | 
                              f"heads, so they must be a multiple of {world} (ring_attention takes any)")
     share = q.shape[1] // world
     heads = slice(rank * share, (rank + 1) * share)
-    for name in ("alibi_slopes", "learnable_sink"):  # per-head values: this rank's share
-        value = variant.get(name)
-        if isinstance(value, torch.Tensor):
+    for name, value in variant.items():  # per-head tensors (the heads their last dimension): this rank's share
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[-1] == q.shape[1]:
             variant[name] = value[..., heads]
     if attend is None:
         from .api import attention as attend
@@ -473,18 +504,17 @@ def ulysses_attention(q, k, v, group=None, causal: bool = False, scale: float | 
 
 
 def ring_attention_varlen(q, k, v, cu_seqlens, max_seqlen: int, group=None, causal: bool = False, scale: float | None = None,
-                          window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
-                          learnable_sink: torch.Tensor | None = None, return_lse: bool = False, deterministic: bool = False,
-                          kernels: VarlenBlockKernels = FLASHGEN_VARLEN):
+                          return_lse: bool = False, deterministic: bool = False,
+                          kernels: VarlenBlockKernels = FLASHGEN_VARLEN, **variant):
     """ring_attention over packed documents sharded across the ranks (Transformer Engine's THD
     layout): q (total_shard, heads, d), k, v (total_shard, heads_kv, d), this rank's shard
     (`shard_varlen`: each document's chunks r and 2 x world - 1 - r); cu_seqlens the documents'
     offsets over the whole packed sequence, on the host (every rank passes the same), each length
     a multiple of 2 x world; max_seqlen the longest document's length. Attention stays within each
-    document (causal: bottom-right within it). Returns this rank's rows (and with return_lse their
-    fp32 lse, (heads, total_shard)); differentiable in q, k, v and learnable_sink."""
+    document (causal: bottom-right within it); the variant keywords as ring_attention's. Returns
+    this rank's rows (and with return_lse their fp32 lse, (heads, total_shard)); differentiable."""
     _check_ring(q, k, v, "packed")
-    _refuse_positional("ring_attention_varlen", window_size, alibi_slopes)
+    every, once = _ring_variant("ring_attention_varlen", variant)
     world = dist.get_world_size(group)
     starts = _documents(cu_seqlens, world)
     if q.shape[0] != starts[-1] // world or k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
@@ -499,12 +529,14 @@ def ring_attention_varlen(q, k, v, cu_seqlens, max_seqlen: int, group=None, caus
     back = torch.empty_like(order)
     back[order] = torch.arange(order.numel(), device=q.device)
     longest = max(int(max_seqlen), 0) // (2 * world)
-    blocks = _Blocks(
-        0, lambda q, k, v, causal, sink: (lambda o, lse: (o, lse.t()))(
-            *kernels.forward(q, k, v, half, longest, causal, scale, float(softcap), sink)),
-        lambda d_o, q, k, v, o, lse, causal: kernels.backward(d_o, q, k, v, o, lse.t().contiguous(), half, longest, causal, scale,
-                                                              float(softcap), bool(deterministic)))
-    o, lse = _RingAttention.apply(*(t.index_select(0, order) for t in (q, k, v)), learnable_sink, group, bool(causal), True,
-                                  blocks)
+
+    def blocks_of(every, once):
+        def forward(q, k, v, causal, first):
+            o, lse = kernels.forward(q, k, v, half, longest, causal, scale, {**every, **(once if first else {})})
+            return o, lse.t()
+
+        return _Blocks(0, forward, lambda d_o, q, k, v, o, lse, causal: kernels.backward(
+            d_o, q, k, v, o, lse.t().contiguous(), half, longest, causal, scale, every, bool(deterministic)))
+    o, lse = _ring(*(t.index_select(0, order) for t in (q, k, v)), group, causal, True, blocks_of, every, once)
     o, lse = o.index_select(0, back), lse.index_select(0, back).t()
     return (o, lse) if return_lse else o

@@ -206,7 +206,7 @@ def naive_attention(q, k, v, causal=False, scale=None, upcast=True, *, window_si
     return (o, lse) if return_lse else o
 
 
-def attention_backward(d_o, q, k, v, o, lse, causal=False, scale=None, softcap=0.0):
+def attention_backward(d_o, q, k, v, o, lse, causal=False, scale=None, *, softcap=0.0):
     """The gradients (dq, dk, dv) of one block of attention, FlashAttention's backward in fp32: P
     recomputed from the scores and a given log-sum-exp (lse, (batch, heads, seqlen_q)), delta =
     rowsum(dO * O) from a given output o. With the lse and output of the whole row (more keys than
