@@ -47,8 +47,7 @@ def _op_args(q, causal, variant: dict, sequences: int) -> tuple:
 
     if not variant:
         return ()
-    return variants.make(variants.Call(causal, sequences, q.shape[-3] if q.dim() == 3 else q.shape[1], q.device, keys=None),
-                         **variant).op_args()
+    return variants.make(variants.Call(causal, sequences, q.shape[1], q.device, keys=None), **variant).op_args()
 
 
 def _flashgen_forward(q, k, v, causal, scale, variant):
