@@ -335,10 +335,10 @@ def _backward(ring: _Ring, d_o, q, k, v, o, lse, causal, zigzag, blocks: _Blocks
         if arriving is not None:
             for mine_sum, theirs_sum in zip(dkv, ring.finish(*arriving)):
                 mine_sum.add_(theirs_sum)
-        arriving = ring.start(dkv)
+        arriving = ring.start(dkv) if ring.world > 1 else None  # (a ring of one: the block is this rank's own)
         if pending is not None:
             kv = tuple(ring.finish(*pending))
-    dk, dv = ring.finish(*arriving)
+    dk, dv = ring.finish(*arriving) if arriving is not None else dkv
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
