@@ -243,14 +243,16 @@ class _Ring:
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.world) if group is not None else (self.rank - 1) % self.world
 
     def start(self, tensors):
-        """Send `tensors` on and receive their successors; returns (requests, received)."""
-        received = [torch.empty_like(t) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group) for t in tensors]
+        """Send `tensors` on and receive their successors; returns (requests, received, sent): the
+        sent tensors are held until finish, so no copy made here is freed while it is in flight."""
+        sent = [t.contiguous() for t in tensors]
+        received = [torch.empty_like(t) for t in sent]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in sent]
         ops += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in received]
-        return dist.batch_isend_irecv(ops), received
+        return dist.batch_isend_irecv(ops), received, sent
 
     @staticmethod
-    def finish(requests, received):
+    def finish(requests, received, sent):
         for request in requests:
             request.wait()
         return received
