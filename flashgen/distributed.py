@@ -172,7 +172,8 @@ def _check_divisible(seqlen: int, world: int, zigzag: bool, name: str) -> int:
 
 
 def shard(x: torch.Tensor, rank: int, world: int, zigzag: bool = True, dim: int = 2) -> torch.Tensor:
-    """Rank `rank`'s shard of a whole sequence (dim: the sequence's, 2 in SDPA's layout)."""
+    """Rank `rank`'s shard of a whole sequence (dim: the sequence's, 2 in SDPA's layout); rank and
+    world are the group's (dist.get_rank(group), dist.get_world_size(group))."""
     size = _check_divisible(x.shape[dim], world, zigzag, "the tensor")
     return torch.cat([x.narrow(dim, c * size, size) for c in chunks_of(rank, world, zigzag)], dim)
 
@@ -389,6 +390,14 @@ def _ring(q, k, v, group, causal, zigzag, blocks_of, every, once):
     return _RingAttention.apply(q, k, v, group, bool(causal), bool(zigzag), blocks, tuple(learned), *learned.values())
 
 
+def _autocast(q, k, v):
+    """Under torch.autocast, q, k, v in its dtype (the blocks' backward runs outside it), as
+    flashgen.attention takes them."""
+    from .ops import autocast_inputs
+
+    return autocast_inputs(q, k, v)
+
+
 def _check_ring(q, k, v, layout: str):
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("ring attention runs over torch.distributed: call torch.distributed.init_process_group first")
@@ -399,7 +408,7 @@ def _check_ring(q, k, v, layout: str):
             raise ValueError(f"{name} must be a {dims}-D tensor {shape}, this rank's shard")
 
 
-def ring_attention(q, k, v, group=None, causal: bool = False, scale: float | None = None, zigzag: bool = True,
+def ring_attention(q, k, v, *, group=None, causal: bool = False, scale: float | None = None, zigzag: bool = True,
                    return_lse: bool = False, deterministic: bool = False, kernels: BlockKernels = FLASHGEN, **variant):
     """Attention over a sequence sharded across the ranks of `group` (torch.distributed; None: the
     default group), in SDPA's layout: q (batch, heads, seqlen_shard, d), k, v (batch, heads_kv,
@@ -423,6 +432,7 @@ def ring_attention(q, k, v, group=None, causal: bool = False, scale: float | Non
     if zigzag and q.shape[2] % 2:
         raise ValueError(f"a zigzag shard holds two chunks of one length: seqlen_shard={q.shape[2]} must be even")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    q, k, v = _autocast(q, k, v)
 
     def blocks_of(every, once):
         return _Blocks(2, lambda q, k, v, causal, first: kernels.forward(q, k, v, causal, scale, {**every, **(once if first else {})}),
@@ -465,7 +475,7 @@ def _to_sequence(x, group, world, zigzag):
     return _AllToAll.apply(parts, group).movedim(0, 1).flatten(1, 2)
 
 
-def ulysses_attention(q, k, v, group=None, causal: bool = False, scale: float | None = None, zigzag: bool = True,
+def ulysses_attention(q, k, v, *, group=None, causal: bool = False, scale: float | None = None, zigzag: bool = True,
                       return_lse: bool = False, attend: Callable | None = None, **variant):
     """Attention over a sequence sharded across the ranks of `group` by all-to-all over heads
     (DeepSpeed-Ulysses), in SDPA's layout: q (batch, heads, seqlen_shard, d), k, v (batch, heads_kv,
@@ -489,6 +499,14 @@ def ulysses_attention(q, k, v, group=None, causal: bool = False, scale: float | 
         if t.shape[1] % world:
             raise ValueError(f"{name} has {t.shape[1]} heads: ulysses_attention gives each of the {world} ranks a share of the "
                              f"heads, so they must be a multiple of {world} (ring_attention takes any)")
+    if zigzag and q.shape[2] % 2:
+        raise ValueError(f"a zigzag shard holds two chunks of one length: seqlen_shard={q.shape[2]} must be even")
+    from . import variants
+
+    for declaration in variants.REGISTRY:
+        if declaration.rule and variant.get(declaration.keyword) is not None:
+            raise ValueError(f"{declaration.keyword} with ulysses_attention: a rule would see each rank's heads numbered "
+                             f"from 0, not their place among all heads; not taken yet")
     share = q.shape[1] // world
     heads = slice(rank * share, (rank + 1) * share)
     for name, value in variant.items():  # per-head tensors (the heads their last dimension): this rank's share
@@ -504,7 +522,7 @@ def ulysses_attention(q, k, v, group=None, causal: bool = False, scale: float | 
     return o, _to_sequence(lse[..., None], group, world, zigzag)[..., 0]
 
 
-def ring_attention_varlen(q, k, v, cu_seqlens, max_seqlen: int, group=None, causal: bool = False, scale: float | None = None,
+def ring_attention_varlen(q, k, v, cu_seqlens, max_seqlen: int, *, group=None, causal: bool = False, softmax_scale: float | None = None,
                           return_lse: bool = False, deterministic: bool = False,
                           kernels: VarlenBlockKernels = FLASHGEN_VARLEN, **variant):
     """ring_attention over packed documents sharded across the ranks (Transformer Engine's THD
@@ -521,7 +539,13 @@ def ring_attention_varlen(q, k, v, cu_seqlens, max_seqlen: int, group=None, caus
     if q.shape[0] != starts[-1] // world or k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
         raise ValueError(f"q, k, v have {q.shape[0]}, {k.shape[0]}, {v.shape[0]} rows: this rank's shard of {starts[-1]} "
                          f"packed tokens over {world} ranks has {starts[-1] // world}")
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    longest = max(b - a for a, b in zip(starts, starts[1:])) if len(starts) > 1 else 0
+    if max_seqlen < longest:
+        raise ValueError(f"max_seqlen={max_seqlen}: the longest document has {longest} tokens (max_seqlen is the whole "
+                         f"sequence's longest document, not a rank's share of it)")
+    longest //= 2 * world  # (a chunk of it: each rank holds two)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    q, k, v = _autocast(q, k, v)
     # chunk-major order: every document's first chunk, then every document's second, so that the
     # ring's two halves are packed sequences of their own (offsets cu_seqlens / (2 x world))
     half = torch.tensor([a // (2 * world) for a in starts], dtype=torch.int32, device=q.device)
@@ -529,7 +553,6 @@ def ring_attention_varlen(q, k, v, cu_seqlens, max_seqlen: int, group=None, caus
                        for h in (0, 1) for a, b in zip(starts, starts[1:])]).to(q.device)
     back = torch.empty_like(order)
     back[order] = torch.arange(order.numel(), device=q.device)
-    longest = max(int(max_seqlen), 0) // (2 * world)
 
     def blocks_of(every, once):
         def forward(q, k, v, causal, first):

@@ -90,6 +90,8 @@ def _ulysses_worker(rank, world, path, seqlen):
             for name, t in mine_learned.items():  # each rank's share of the heads, summed over the group
                 dist.all_reduce(t.grad)
                 torch.testing.assert_close(t.grad, whole_learned[name].grad, **close)
+        with pytest.raises(ValueError, match="score_mod with ulysses_attention: a rule would see each rank's heads numbered"):
+            distributed.ulysses_attention(*(torch.zeros(1, 2, 8, 16) for _ in range(3)), score_mod=lambda s, b, h, q, k: s)
         with pytest.raises(ValueError, match="k has 1 heads: ulysses_attention gives each of the 2 ranks a share"):
             distributed.ulysses_attention(*(torch.zeros(1, h, 8, 16) for h in (2, 1, 1)))
     finally:
@@ -137,6 +139,8 @@ def _varlen_worker(rank, world, path):
                 torch.testing.assert_close(ring_sink.grad, leaves[3].grad, **close)
         with pytest.raises(ValueError, match="window_size with ring_attention_varlen: .* ulysses_attention takes every variant"):
             distributed.ring_attention_varlen(*(torch.zeros(3, 1, 16) for _ in range(3)), cu, 8, window_size=(4, 0))
+        with pytest.raises(ValueError, match="max_seqlen=5: the longest document has .* not a rank's share of it"):
+            distributed.ring_attention_varlen(*mine, cu, 5)
         odd = 2 * world + 1
         with pytest.raises(ValueError, match=f"document 1 has {odd} tokens: sharding packed documents over {world} ranks"):
             distributed.ring_attention_varlen(*(torch.zeros(3, 1, 16) for _ in range(3)), [0, 4 * world, 4 * world + odd], odd)

@@ -57,6 +57,19 @@ def test_ring_attention_of_one_rank_through_nccl(causal):
             o, lse = distributed.ring_attention(q, k, v, causal=causal, return_lse=True)
             want, want_lse = flashgen.attention(q, k, v, causal=causal, return_lse=True)
             torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-4)
+            # fp32 inputs under autocast, softcap and a sink, the deterministic backward: as attention() on one GPU
+            sink = torch.linspace(-1.0, 3.0, 8, device="cuda")
+            leaves = [t.float().requires_grad_() for t in (q, k, v)] + [sink.clone().requires_grad_()]
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = distributed.ring_attention(*leaves[:3], causal=causal, softcap=30.0, learnable_sink=leaves[3],
+                                                 deterministic=True)
+            out.float().square().sum().backward()
+            plain = [t.detach().clone().requires_grad_() for t in (q, k, v)] + [sink.clone().requires_grad_()]
+            want = flashgen.attention(*plain[:3], causal=causal, softcap=30.0, learnable_sink=plain[3], deterministic=True)
+            want.float().square().sum().backward()
+            torch.testing.assert_close(out, want, rtol=0, atol=2e-2)
+            for got, ref in zip(leaves, plain):
+                torch.testing.assert_close(got.grad.float(), ref.grad.float(), rtol=2e-2, atol=2e-2)
         finally:
             dist.destroy_process_group()
 
