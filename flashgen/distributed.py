@@ -134,8 +134,7 @@ REFERENCE_VARLEN = VarlenBlockKernels(_reference_varlen_forward, _reference_varl
 
 def _ring_variant(function: str, given: dict) -> tuple[dict, dict]:
     """A ring's variant keywords, sorted by the registry's traits: (those every block takes: a
-    pointwise score, softcap; those that join each row once, in its first block: a softmax state,
-    a sink). A mask or a positional score (a window, ALiBi, a rule) needs each block's place in the
+    pointwise score; those that join each row once, in its first block: a softmax state). A mask or a positional score (a window, ALiBi, a rule) needs each block's place in the
     whole sequence, which the blocks do not take: refused by name."""
     from . import variants
 
@@ -415,13 +414,13 @@ def ring_attention(q, k, v, *, group=None, causal: bool = False, scale: float | 
     seqlen_shard, d), this rank's shard (`shard`: zigzag by default, which `causal` needs for every
     rank to do the same work; zigzag=False takes contiguous shards). Every rank calls it with
     shards of one shape. Returns this rank's rows of the output (and with return_lse their fp32
-    log-sum-exp); differentiable in q, k, v and learnable_sink (a sink's gradient is this rank's
-    rows' share: sum it over the group like any replicated parameter's).
+    log-sum-exp); differentiable in q, k, v and a learned variant value (a sink's gradient is this
+    rank's rows' share: sum it over the group like any replicated parameter's).
 
     Only the KV heads travel (GQA sends heads_kv of them). The variant keywords are
-    flashgen.attention's: softcap and learnable_sink apply; window_size, alibi_slopes and the rules
-    need each block's position in the whole sequence and are refused by name (ulysses_attention
-    takes them). The ring fixes the order of the merges and of the gradients' sums; with
+    flashgen.attention's: those that act on each score alone or join the softmax's state apply (a
+    soft cap, a sink); those that need each block's position in the whole sequence (a window,
+    ALiBi, the rules) are refused by name (ulysses_attention takes them). The ring fixes the order of the merges and of the gradients' sums; with
     deterministic=True the blocks' backward kernels are the deterministic ones too (attention()'s
     flag), and reruns are bitwise identical."""
     _check_ring(q, k, v, "fixed")
