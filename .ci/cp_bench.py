@@ -16,24 +16,15 @@ import torch
 import torch.distributed as dist
 
 import flashgen
-from flashgen import distributed
+from flashgen import bench, distributed
 
 HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128
 
 
-def time_ms(fn, rounds=5):
-    """Median GPU time of fn() after one warm-up, every rank in step."""
-    fn()
-    times = []
-    for _ in range(rounds):
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+def time_ms(fn):
+    """flashgen bench's timer (median GPU time), fewer rounds: the steps are long, and the ranks
+    keep in step through the ring's own sends."""
+    return bench.time_ms(fn, warmup=1, rep=5)
 
 
 def problem(seqlen, seed=0):
