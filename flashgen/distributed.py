@@ -231,6 +231,34 @@ def _relation(q_chunk: int, k_chunk: int, causal: bool) -> str:
     return "causal" if k_chunk == q_chunk else "none"
 
 
+def _step(rank: int, source: int, world: int, zigzag: bool, causal: bool, whole: bool) -> list[tuple]:
+    """The blocks of one ring step: (query part, key part, causal) with a part None (the rank's
+    whole shard) or 0 / 1 (a zigzag shard's first or second chunk). `whole`: a shard's two chunks
+    are one tensor the kernels take as one sequence (the fixed layout), so a step is one call:
+    its own keys causally over the shard (chunk 2 world - 1 - r sees all of chunk r before it);
+    an earlier rank's first chunk by every query; a later rank's keys by the second chunk alone.
+    Otherwise (packed documents: a shard's chunks are two packed halves) chunk by chunk."""
+    mine, theirs = chunks_of(rank, world, zigzag), chunks_of(source, world, zigzag)
+    if whole and not causal:
+        return [(None, None, False)]
+    if whole and zigzag:
+        if source == rank:
+            return [(None, None, True)]
+        return [(None, 0, False)] if source < rank else [(1, None, False)]
+    blocks = []
+    for i, a in enumerate(mine):
+        for j, b in enumerate(theirs):
+            relation = _relation(a, b, causal)
+            if relation != "none":
+                blocks.append((i if len(mine) > 1 else None, j if len(theirs) > 1 else None, relation == "causal"))
+    return blocks
+
+
+def _part(x, part, dim):
+    """The rank's whole shard (part None) or one chunk of a zigzag shard (a view)."""
+    return x if part is None else x.chunk(2, dim=dim)[part]
+
+
 class _Ring:
     """One rank's view of the ring: its neighbours, and sends of a list of tensors to the next rank
     while the same shapes arrive from the previous one."""
@@ -274,64 +302,50 @@ class _Blocks:
     travels in o's row layout (o.shape[:-1]: (batch, heads, rows) fixed, (rows, heads) packed)."""
 
     dim: int
+    whole: bool  # a shard's chunks are one sequence to the kernels (fixed), not two packed halves
     forward: Callable  # (q, k, v, causal, first: the row's first block) -> (o, lse in o's row layout)
     backward: Callable  # (d_o, q, k, v, o, lse in o's row layout, causal) -> (dq, dk, dv)
 
 
-def _split(x, parts, dim):
-    return x.chunk(parts, dim=dim) if parts > 1 else (x,)
-
-
 def _forward(ring: _Ring, q, k, v, causal, zigzag, blocks: _Blocks):
-    mine = chunks_of(ring.rank, ring.world, zigzag)
-    q_parts = _split(q, len(mine), blocks.dim)
-    outs = [torch.zeros(*p.shape[:-1], v.shape[-1], dtype=torch.float32, device=q.device) for p in q_parts]
-    lses = [torch.full(p.shape[:-1], -torch.inf, dtype=torch.float32, device=q.device) for p in q_parts]
+    dim = blocks.dim
+    out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:-1], -torch.inf, dtype=torch.float32, device=q.device)
     kv = (k, v)
     for step in range(ring.world):
         pending = ring.start(kv) if step < ring.world - 1 else None
         source = (ring.rank - step) % ring.world
-        theirs = chunks_of(source, ring.world, zigzag)
-        k_parts, v_parts = _split(kv[0], len(theirs), blocks.dim), _split(kv[1], len(theirs), blocks.dim)
-        for i, a in enumerate(mine):
-            for j, b in enumerate(theirs):
-                relation = _relation(a, b, causal)
-                if relation == "none":
-                    continue
-                # a softmax state (a sink) joins each row once: in its rank's own first block (always visible)
-                first = step == 0 and j == (i if causal else 0)
-                o_block, lse_block = blocks.forward(q_parts[i], k_parts[j], v_parts[j], relation == "causal", first)
-                outs[i], lses[i] = _merge(outs[i], lses[i], o_block, lse_block)
+        joined = set()  # (the query parts a softmax state, a sink, has joined: once per row, in its first block)
+        for q_part, k_part, block_causal in _step(ring.rank, source, ring.world, zigzag, causal, blocks.whole):
+            first = step == 0 and q_part not in joined
+            joined.add(q_part)
+            o_block, lse_block = blocks.forward(_part(q, q_part, dim), _part(kv[0], k_part, dim), _part(kv[1], k_part, dim),
+                                                block_causal, first)
+            o_rows, lse_rows = _part(out, q_part, dim), _part(lse, q_part, dim)
+            merged_o, merged_lse = _merge(o_rows, lse_rows, o_block, lse_block)
+            o_rows.copy_(merged_o)
+            lse_rows.copy_(merged_lse)
         if pending is not None:
             kv = tuple(ring.finish(*pending))
-    return torch.cat(outs, blocks.dim).to(q.dtype), torch.cat(lses, blocks.dim)
+    return out.to(q.dtype), lse
 
 
 def _backward(ring: _Ring, d_o, q, k, v, o, lse, causal, zigzag, blocks: _Blocks):
-    mine = chunks_of(ring.rank, ring.world, zigzag)
-    parts, dim = len(mine), blocks.dim
-    q_parts, o_parts, d_o_parts, lse_parts = (_split(t, parts, dim) for t in (q, o, d_o, lse))
+    dim = blocks.dim
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dq_parts = _split(dq, parts, dim)
     kv, arriving = (k, v), None
     for step in range(ring.world):
         source = (ring.rank - step) % ring.world
-        theirs = chunks_of(source, ring.world, zigzag)
-        k_parts, v_parts = _split(kv[0], len(theirs), dim), _split(kv[1], len(theirs), dim)
         # this rank's share of the block's dK/dV; the ranks before it add theirs in transit
         dkv = (torch.zeros(k.shape, dtype=torch.float32, device=k.device), torch.zeros(v.shape, dtype=torch.float32, device=v.device))
-        dk_parts, dv_parts = _split(dkv[0], len(theirs), dim), _split(dkv[1], len(theirs), dim)
         pending = ring.start(kv) if step < ring.world - 1 else None  # (the next block's K/V, under this one's work)
-        for i, a in enumerate(mine):
-            for j, b in enumerate(theirs):
-                relation = _relation(a, b, causal)
-                if relation == "none":
-                    continue
-                dq_block, dk_block, dv_block = blocks.backward(d_o_parts[i], q_parts[i], k_parts[j], v_parts[j], o_parts[i],
-                                                               lse_parts[i], relation == "causal")
-                dq_parts[i].add_(dq_block)
-                dk_parts[j].add_(dk_block)
-                dv_parts[j].add_(dv_block)
+        for q_part, k_part, block_causal in _step(ring.rank, source, ring.world, zigzag, causal, blocks.whole):
+            dq_block, dk_block, dv_block = blocks.backward(
+                *(_part(t, q_part, dim) for t in (d_o, q)), _part(kv[0], k_part, dim), _part(kv[1], k_part, dim),
+                *(_part(t, q_part, dim) for t in (o, lse)), block_causal)
+            _part(dq, q_part, dim).add_(dq_block)
+            _part(dkv[0], k_part, dim).add_(dk_block)
+            _part(dkv[1], k_part, dim).add_(dv_block)
         # dK/dV travel on with their block (what the ranks before added arrived during this step's
         # work); after the last step they reach the block's owner
         if arriving is not None:
@@ -434,7 +448,7 @@ def ring_attention(q, k, v, *, group=None, causal: bool = False, scale: float | 
     q, k, v = _autocast(q, k, v)
 
     def blocks_of(every, once):
-        return _Blocks(2, lambda q, k, v, causal, first: kernels.forward(q, k, v, causal, scale, {**every, **(once if first else {})}),
+        return _Blocks(2, True, lambda q, k, v, causal, first: kernels.forward(q, k, v, causal, scale, {**every, **(once if first else {})}),
                        lambda d_o, q, k, v, o, lse, causal: kernels.backward(d_o, q, k, v, o, lse, causal, scale, every,
                                                                              bool(deterministic)))
     o, lse = _ring(q, k, v, group, causal, zigzag, blocks_of, every, once)
@@ -558,7 +572,7 @@ def ring_attention_varlen(q, k, v, cu_seqlens, max_seqlen: int, *, group=None, c
             o, lse = kernels.forward(q, k, v, half, longest, causal, scale, {**every, **(once if first else {})})
             return o, lse.t()
 
-        return _Blocks(0, forward, lambda d_o, q, k, v, o, lse, causal: kernels.backward(
+        return _Blocks(0, False, forward, lambda d_o, q, k, v, o, lse, causal: kernels.backward(
             d_o, q, k, v, o, lse.t().contiguous(), half, longest, causal, scale, every, bool(deterministic)))
     o, lse = _ring(*(t.index_select(0, order) for t in (q, k, v)), group, causal, True, blocks_of, every, once)
     o, lse = o.index_select(0, back), lse.index_select(0, back).t()
