@@ -12,9 +12,17 @@ each rank merges its blocks' partial outputs by their log-sum-exp. The backward 
 again: each block's gradients come from the row's whole output and lse (the blocks' shares add
 up), and dK/dV travel with their key/value block until they are back at its owner.
 
+ring_attention_varlen: the ring over packed documents (Transformer Engine's THD layout), each
+document sharded on its own.
+
 Sharding: `shard` cuts a sequence into 2 x world chunks and gives rank r chunks r and
 2 x world - 1 - r (zigzag: under a causal mask every rank then does the same work), or one
-contiguous chunk each (zigzag=False); `unshard` puts the gathered shards back in order.
+contiguous chunk each (zigzag=False); `unshard` puts the gathered shards back in order;
+`shard_varlen` and `unshard_varlen` do the same per document.
+
+Every rank calls with the same shapes, in SDPA's layout (batch, heads, seq, d), not flash-attn's
+(batch, seq, heads, d); on GPUs each process first selects its own (torch.cuda.set_device), as
+NCCL needs.
 
 The block computations are swappable (BlockKernels): flashgen's kernels on a GPU, the oracle's
 (flashgen.reference) anywhere, which is how the ring is tested on CPUs with the gloo backend.
