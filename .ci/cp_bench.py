@@ -35,15 +35,7 @@ def problem(seqlen, seed=0):
 
 
 def fwd_bwd(fn, tensors):
-    leaves = [t.detach().requires_grad_() for t in tensors]
-    out = fn(*leaves)
-    d_o = torch.randn_like(out)
-
-    def step():
-        for t in leaves:
-            t.grad = None
-        fn(*leaves).backward(d_o)
-    return step
+    return bench.training_step(fn, tensors)
 
 
 def causal_flops(seqlen):  # forward + backward (2.5x the forward), causal: half the pairs

@@ -116,6 +116,15 @@ def _timer(attention, q, k, v, causal, mode):
     return lambda: _fresh(leaves) or attention(*leaves, causal=causal).backward(d_o)
 
 
+def training_step(fn, tensors):
+    """A no-argument callable running fn's forward and backward over fresh leaves of `tensors`
+    (the output's gradient drawn once, the leaves' gradients cleared each time): what a bench
+    times as forward + backward of any attention function."""
+    leaves = [t.detach().requires_grad_() for t in tensors]  # (sharing the tensors' memory: nothing is copied)
+    d_o = torch.randn_like(fn(*leaves))
+    return lambda: _fresh(leaves) or fn(*leaves).backward(d_o)
+
+
 def _fresh(leaves) -> None:
     """Clear the leaves' gradients: a timed backward must not include accumulating into them."""
     for t in leaves:
