@@ -2,7 +2,10 @@
 profile just its kernels (after a warm-up that compiles and plans them).
 Usage: ncu --profile-from-start off --clock-control none ... python3 .ci/profile.py NAME
 NAME: fwd, fwd_softcap, bwd, bwd_softcap (d = 128, T = 8k), doc_fwd, doc_bwd, causal64_fwd,
-causal64_bwd (d = 64, T = 8k), decode8k (B = 1, 32:8 heads, d = 128, paged=0) (needs a GPU)."""
+causal64_bwd (d = 64, T = 8k), decode8k (B = 1, 32:8 heads, d = 128, paged=0), packed_prefill,
+paged16, paged256 (.ci/bench_paged_prefill.py's problem: 16 x 2048 queries over 8k keys, causal, d = 128,
+packed or in shuffled pages of 16 or 256 tokens), dv128_bwd, dv128_causal_bwd (d = 192, d_v = 128,
+T = 8k, .ci/bench_head_dim_v.py's shape) (needs a GPU)."""
 
 import sys
 
@@ -12,7 +15,31 @@ import flashgen
 from flashgen import bench
 
 
+def prefill(page):
+    """bench_paged_prefill's problem through attention_varlen: packed keys (page 0) or pages."""
+    batch, chunk, keys, d, heads = 16, 2048, 8192, 128, 16
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(batch * chunk, heads, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(batch * keys, heads, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    cu_q = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * chunk
+    cu_k = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * keys
+    if not page:
+        return lambda: flashgen.attention_varlen(q, k, v, cu_q, cu_k, chunk, keys, causal=True)
+    order = torch.randperm(batch * keys // page, device="cuda", generator=gen)
+    k_cache, v_cache = (t.view(-1, page, heads, d)[order].contiguous() for t in (k, v))
+    table = torch.argsort(order).view(batch, keys // page).to(torch.int32)
+    return lambda: flashgen.attention_varlen(q, k_cache, v_cache, cu_q, cu_k, chunk, keys, causal=True, block_table=table)
+
+
 def workload(name):
+    if name == "packed_prefill" or name.startswith("paged"):
+        return prefill(int(name[5:]) if name.startswith("paged") else 0)
+    if name.startswith("dv128"):
+        q, k, v = bench._inputs(8192, 192)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v[..., :128].contiguous())]
+        out = flashgen.attention(*leaves, causal="causal" in name)
+        d_o = torch.randn_like(out)
+        return lambda: torch.autograd.grad(out, leaves, d_o, retain_graph=True)
     if name.startswith("decode"):
         gen = torch.Generator(device="cuda").manual_seed(0)
         inputs = bench._decode_step(1, 8192, False, gen)

@@ -303,9 +303,9 @@ def settle(problem: Problem, results: list, pick: KernelSpec | None, timed, log)
 
 def merge(doc: dict, entries: list[dict]) -> dict:
     """The table with `entries` in place of entries of the same key (kind, arch, head dim, dtype,
-    causal, bucket, varlen), tuned entries first."""
+    causal, bucket, varlen, V's own head dim), tuned entries first."""
     def key(entry):
-        return tuple(entry.get(f, "*") for f in tuning.KEY_FIELDS + tuning.OPTIONAL_FIELDS)
+        return tuple(entry.get(f, "*") for f in tuning.KEY_FIELDS + tuning.OPTIONAL_FIELDS + ("head_dim_v",))
 
     replaced = {key(e) for e in entries}
     kept = [e for e in doc["entries"] if key(e) not in replaced]

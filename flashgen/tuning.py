@@ -3,7 +3,9 @@ package; `flashgen tune` measures and rewrites it on a GPU; FLASHGEN_TUNING_TABL
 
 An entry lists tile shapes best first for one kernel kind and a set of problems: arch (a glob),
 dtype, causal, length bucket ('*' = any), a head-dim bound, and optionally varlen (true: only
-attention_varlen's packed kernels; an entry without it serves both). A problem takes the entries of the
+attention_varlen's packed kernels; an entry without it serves both) and head_dim_v (only problems
+whose V has that head dim of its own, e.g. 128 under a bound of 192: V's smaller tiles leave room
+for more keys). A problem takes the entries of the
 smallest bound at or above its head dim, the more exact ones first, and runs the first tile shape
 that is a valid spec for its target (shared memory differs between sm_80, sm_86 and sm_90). On
 sm_90a the forward is the Hopper family (TMA, wgmma, warp specialization); elsewhere, and for short
@@ -119,6 +121,8 @@ def table_problem(doc) -> str | None:
             wrong = f"arch {entry['arch']!r}: must be a target or a glob, like \"sm_90a\" or \"*\""
         elif type(entry["head_dim"]) is not int:
             wrong = f"head_dim {entry['head_dim']!r}: must be an integer"
+        elif type(entry.get("head_dim_v", 0)) is not int:
+            wrong = f"head_dim_v {entry['head_dim_v']!r}: must be an integer (V's own head dim) or left out"
         elif not isinstance(entry["tiles"], list) or not all(isinstance(tiles, dict) for tiles in entry["tiles"]):
             wrong = "tiles: must be a list of objects like {\"block_m\": 128, \"block_n\": 64}"
         for field, allowed in _CHOICES.items():
@@ -154,13 +158,14 @@ def _matches(entry: dict, problem: dict) -> bool:
 
 
 def _exactness(entry: dict) -> int:
-    return sum(entry.get(field, "*") != "*" for field in MATCHED) + ("*" not in entry["arch"])
+    return sum(entry.get(field, "*") != "*" for field in MATCHED) + ("*" not in entry["arch"]) + ("head_dim_v" in entry)
 
 
 def candidates(kind: str, head_dim: int, dtype: str, causal: bool, arch: str, bucket: str, varlen: bool = False,
-               variant: bool = False, **tuned_apart: bool) -> list[dict]:
+               variant: bool = False, head_dim_v: int = 0, **tuned_apart: bool) -> list[dict]:
     """Tile shapes for a problem, best first: the entries of the smallest bound, more exact first
-    (overrides from `override` before all), then those of larger bounds as a fallback. `variant`:
+    (overrides from `override` before all), then those of larger bounds as a fallback. `head_dim_v`:
+    V's head dim where it has one of its own (0: none; entries naming one serve only it). `variant`:
     the kernel has an attention variant (entries with "variant": true are for those alone);
     `tuned_apart`: by their tuning keys (variants.TUNING_KEYS), the variants on that the table
     tunes apart (a user mask rule; softcap, whose tanh shares the exponentials' unit, which moves
@@ -170,7 +175,8 @@ def candidates(kind: str, head_dim: int, dtype: str, causal: bool, arch: str, bu
         raise TypeError(f"candidates: {', '.join(sorted(unknown))} is not a tuning key ({', '.join(variants.TUNING_KEYS)})")
     problem = {"kind": kind, "dtype": dtype, "causal": causal, "arch": arch, "bucket": bucket, "varlen": varlen,
                "variant": variant, **dict.fromkeys(variants.TUNING_KEYS, False), **tuned_apart}
-    entries = [e for e in _overrides + table()["entries"] if _matches(e, problem) and e["head_dim"] >= head_dim]
+    entries = [e for e in _overrides + table()["entries"]
+               if _matches(e, problem) and e["head_dim"] >= head_dim and e.get("head_dim_v", head_dim_v) == head_dim_v]
     entries.sort(key=lambda e: (e["head_dim"], e not in _overrides, -_exactness(e)))
     return [tiles for entry in entries for tiles in entry["tiles"]]
 
@@ -242,7 +248,8 @@ def _first_valid(kind, head_dim, dtype, causal, arch, bucket="long", varlen=Fals
     fields = variant_fields(variant) | ({"head_dim_v": head_dim_v} if head_dim_v and head_dim_v != head_dim else {})
     apart = {key: name in _names(variant) for key, name in variants.TUNING_KEYS.items()}
     wider = max(head_dim, head_dim_v)
-    for tiles in candidates(kind, wider, dtype, causal, arch, bucket, varlen, variants.tiled_apart(variant), **apart):
+    own_v = head_dim_v if head_dim_v and head_dim_v != head_dim else 0
+    for tiles in candidates(kind, wider, dtype, causal, arch, bucket, varlen, variants.tiled_apart(variant), own_v, **apart):
         if varlen and tiles.get("persistent"):
             tiles = {**tiles, "persistent": False}  # the varlen Hopper forward runs one tile per CTA
         try:

@@ -21,7 +21,7 @@ def test_table_is_well_formed_and_written_canonically():
         assert set(tuning.KEY_FIELDS) | {"tiles", "source"} <= set(entry), entry
         assert entry["causal"] in (True, False, "*") and entry["dtype"] in ("bf16", "fp16", "*")
         assert entry["bucket"] in ("short", "long", "*")
-        assert entry.get("varlen", "*") in (True, False, "*") and set(entry) <= set(tuning.KEY_FIELDS + tuning.OPTIONAL_FIELDS) | {"tiles", "source", "tflops"}
+        assert entry.get("varlen", "*") in (True, False, "*") and set(entry) <= set(tuning.KEY_FIELDS + tuning.OPTIONAL_FIELDS) | {"head_dim_v", "tiles", "source", "tflops"}
         for tiles in entry["tiles"]:
             assert set(tiles) <= set(tuning.TILE_FIELDS), tiles
 
@@ -55,6 +55,19 @@ def test_exact_entries_beat_wildcards_and_the_smallest_bound_wins(table):
     # a smaller bound covering the head dim wins over a more exact larger one
     table.append(_entry(head_dim=64))
     assert tuning.mma_forward_spec(64, "bf16", True, "sm_90a", seqlen_q=4096).block_n == 32
+
+
+def test_an_entry_naming_v_s_head_dim_serves_only_that_v(table):
+    plain, own_v = {"block_m": 128, "block_n": 96, "num_stages": 2}, {"block_m": 128, "block_n": 128, "num_stages": 2}
+    table += [_entry(kind="fwd_sm90", head_dim=192, tiles=[plain]), _entry(kind="fwd_sm90", head_dim=192, head_dim_v=128, tiles=[own_v])]
+    assert tuning.candidates("fwd_sm90", 192, "bf16", True, "sm_90a", "long", head_dim_v=128)[0] == own_v
+    assert tuning.candidates("fwd_sm90", 192, "bf16", True, "sm_90a", "long")[0] == plain
+    assert tuning.candidates("fwd_sm90", 192, "bf16", True, "sm_90a", "long", head_dim_v=64)[0] == plain
+    assert tuning.forward_spec(192, "bf16", True, "sm_90a", 4096, head_dim_v=128).block_n == 128
+    assert tuning.forward_spec(192, "bf16", True, "sm_90a", 4096).block_n == 96
+    # a tune of the plain problem keeps it
+    merged = tune.merge({"about": "x", "entries": list(table)}, [_entry(kind="fwd_sm90", head_dim=192, tiles=[own_v])])
+    assert sum("head_dim_v" in e for e in merged["entries"]) == 1 and len(merged["entries"]) == 2
 
 
 def test_invalid_shapes_fall_through_to_the_next(table):
@@ -323,6 +336,8 @@ _PLAIN = '{"kind": "fwd", "arch": "*", "head_dim": 64, "dtype": "*", "causal": "
     ('{"entries": [' + _PLAIN.replace('"fwd"', '"fwdd"') + '"tiles": []}]}',
      "entry 0 ('fwdd', head_dim 64): kind 'fwdd': must be one of " + ", ".join(BY_KIND)),
     ('{"entries": [' + _PLAIN.replace("64", '"64"') + '"tiles": []}]}', "entry 0 ('fwd', head_dim '64'): head_dim '64': must be an integer"),
+    ('{"entries": [' + _PLAIN + '"head_dim_v": "128", "tiles": []}]}',
+     "entry 0 ('fwd', head_dim 64): head_dim_v '128': must be an integer (V's own head dim) or left out"),
 ])
 def test_a_bad_table_is_one_error_naming_the_variable_and_the_file(tmp_path, monkeypatch, text, why):
     """It was a FileNotFoundError, JSONDecodeError or KeyError from deep inside, from any call."""
