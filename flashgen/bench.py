@@ -925,7 +925,7 @@ def variant_compile_rows(variant_table: list[dict], window_table: list[dict]) ->
     cases = {row["variant"]: row for row in variant_table + window_table if row["causal"]}  # one row per case
     for row in cases.values():
         fields = tuple(row["fields"])
-        specs = [tuning.forward_spec(row["d"], "bf16", True, arch, row["T"], variant=fields), tuning.backward_prep(row["d"], "bf16", arch),
+        specs = [tuning.forward_spec(row["d"], "bf16", True, arch, row["T"], variant=fields), tuning.backward_prep(row["d"], "bf16", arch, variant=fields),
                  *tuning.backward_specs(row["d"], "bf16", True, arch, False, variant=fields)]
         rows.append({"variant": row["variant"], "T": row["T"], "flashgen_cold_s": cold_compile_s(specs),
                      "kernels": len(specs), "flex_first_s": row["flex_first_s"]})

@@ -20,7 +20,6 @@ import torch
 
 from . import modifiers, plans, variants
 from .blockmask import BlockMasks
-from .families.backward import stats_in_rows
 from .families.decode import fast_divisor
 from .inputs import aligned
 
@@ -117,21 +116,33 @@ def forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, causal:
     return o, lse
 
 
-def learns(variant) -> bool:
-    """A variant argument is given that takes a gradient (a sink): the backward returns delta."""
-    return any(value is not None and name in variants.GRADIENTS for (name, _, _), value in zip(variants.OP_ARGS, variant))
+def learned(variant) -> tuple[str, torch.Tensor] | None:
+    """The given variant argument that takes a gradient, by name (a sink's (batch or sequences,
+    heads) logits), or None: the backward returns its gradient."""
+    return next(((name, value) for (name, _, _), value in zip(variants.OP_ARGS, variant)
+                 if value is not None and name in variants.GRADIENTS), None)
+
+
+def _learned_grad_like(variant, lse):
+    given = learned(variant)
+    return lse.new_empty((0,)) if given is None else torch.empty(given[1].shape, dtype=torch.float32, device=lse.device)
 
 
 def backward_impl(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                   causal: bool, scale: float, deterministic: bool, kernel: str = "", *variant):
-    """(dq, dk, dv, delta) from the forward's inputs, output and log-sum-exp; P is recomputed.
+    """(dq, dk, dv, learned_grad) from the forward's inputs, output and log-sum-exp; P is recomputed.
     `kernel` is the forward's spec (canonical text, or ""): the backward compiles for its target.
-    delta, rowsum(dO * O) - dlse in lse's layout, is what a learned variant argument's gradient
-    reads (the prep computes it anyway); empty unless one is given (learns)."""
+    learned_grad is the gradient of a learned variant argument (a sink's, in its shape), which the
+    prep sums from its delta = rowsum(dO * O) - dlse and lse (variants.GRADIENTS' rule); empty
+    unless one is given."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), grad_v_like(k, v)
-    delta = lse.new_empty(lse.shape if learns(variant) else (0,))
-    if q.numel() == 0 or k.numel() == 0:  # (no keys: O = 0)
-        return dq.zero_(), dk.zero_(), dv.zero_(), delta.copy_(-d_lse) if d_lse is not None and delta.numel() else delta.zero_()
+    learned_grad = _learned_grad_like(variant, lse)
+    if q.numel() == 0 or k.numel() == 0:  # (no keys: O = 0, delta = -dlse)
+        if learned_grad.numel():  # (no kernel runs: the rule itself)
+            name, value = learned(variant)
+            delta = -d_lse if d_lse is not None else torch.zeros_like(lse)
+            learned_grad.copy_(variants.GRADIENTS[name](value, delta, lse, cu_seqlens_q))
+        return dq.zero_(), dk.zero_(), dv.zero_(), learned_grad
     device = q.get_device()
     values = {name: aligned(t) for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("d_o", d_o))}
     values.update(lse=lse.contiguous(), d_lse=None if d_lse is None else d_lse.contiguous(), dq=dq, dk=dk, dv=dv, scale=scale,
@@ -148,9 +159,9 @@ def backward_impl(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, max_s
     plan = (plans.backward_varlen if packed else plans.backward)(device, q.shape[-1], q.dtype, causal, deterministic, kernel,
                                                                  fields, head_dim_v=head_dim_v)
     plan.run(device, values)
-    if delta.numel():
-        delta.copy_(stats_in_rows(values["delta"], lse.shape[-1], cu_seqlens_q))
-    return dq, dk, dv, delta
+    if learned_grad.numel():
+        torch.sum(values["learned_grad"], -1, out=learned_grad)
+    return dq, dk, dv, learned_grad
 
 
 @torch.library.custom_op("flashgen::attention_fwd", mutates_args=(), device_types="cuda", schema=(
@@ -175,7 +186,7 @@ def _attention_fwd_fake(q, k, v, cu_seqlens_q, *args):
     f"str kernel, {variants.OP_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor)"))
 def attention_bwd(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
                   deterministic, kernel, *variant):
-    """(dq, dk, dv, delta) from the forward's inputs, output and log-sum-exp; P is recomputed."""
+    """(dq, dk, dv, learned_grad) from the forward's inputs, output and log-sum-exp; P is recomputed."""
     return backward_impl(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
                          deterministic, kernel, *variant)
 
@@ -183,7 +194,7 @@ def attention_bwd(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, max_s
 @attention_bwd.register_fake
 def _attention_bwd_fake(d_o, q, k, v, o, lse, *args):
     variant = args[-len(variants.OP_ARGS):]
-    return torch.empty_like(q), torch.empty_like(k), grad_v_like(k, v), lse.new_empty(lse.shape if learns(variant) else (0,))
+    return torch.empty_like(q), torch.empty_like(k), grad_v_like(k, v), _learned_grad_like(variant, lse)
 
 
 def _setup_context(ctx, inputs, output):
@@ -201,15 +212,14 @@ def _backward(ctx, d_o, d_lse, backward=attention_bwd, op=True):
     cu_seqlens_q, cu_seqlens_k = rest[:2] if ctx.packed else (None, None)
     if d_o is None:
         d_o = torch.zeros_like(o)
-    dq, dk, dv, delta = backward(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q,
-                                 ctx.max_seqlen_k, ctx.causal, ctx.scale, ctx.deterministic, ctx.kernel, *ctx.variant)
+    dq, dk, dv, learned_grad = backward(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q,
+                                        ctx.max_seqlen_k, ctx.causal, ctx.scale, ctx.deterministic, ctx.kernel, *ctx.variant)
     # the layout and the settings take no gradient; of the variant's arguments, a learned one's tensor
     # (a sink) does, the others none (the op's autograd wants a list for each list of tensors)
     grads = []
     for (name, _, _), value in zip(variants.OP_ARGS, ctx.variant):
-        gradient = variants.GRADIENTS.get(name)
-        if gradient is not None and value is not None:
-            grads.append(gradient(value, delta, lse, cu_seqlens_q))
+        if name in variants.GRADIENTS and value is not None:
+            grads.append(learned_grad)
         else:
             grads.append([None] * len(value) if op and isinstance(value, list) else None)
     return dq, dk, dv, *[None] * 8, *grads

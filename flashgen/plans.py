@@ -189,7 +189,8 @@ def _backward_kernels(device: int, head_dim: int, dtype: torch.dtype, causal: bo
     arch = KernelSpec.from_json(forward_spec).arch if forward_spec else device_arch(device)
     specs = tuning.backward_specs(head_dim, DTYPES[dtype], causal, arch, deterministic, varlen, variant=variant,
                                   head_dim_v=head_dim_v)
-    return tuning.backward_prep(head_dim_v or head_dim, DTYPES[dtype], arch, **({"varlen": True} if varlen else {})), specs
+    prep = tuning.backward_prep(head_dim_v or head_dim, DTYPES[dtype], arch, varlen, variant)
+    return prep, specs
 
 
 _warmed: set = set()
@@ -214,6 +215,13 @@ def warm_backward(device: int, head_dim: int, dtype: torch.dtype, causal: bool, 
     kernels.prefetch([prep, *specs, *([reader] if reader else [])])
 
 
+def _learned_grad(prep: KernelSpec) -> list[Scratch]:
+    """The partial sums of a learned variant's gradient (a sink's), where the prep computes them."""
+    if not prep.variants:
+        return []
+    return [Scratch("learned_grad", lambda values, family=prep.family: family.learned_grad_shape(prep, values))]
+
+
 def _stats(values: dict) -> tuple:
     batch, heads, seqlen_q, _ = values["q"].shape
     return batch, heads, padded(seqlen_q)
@@ -230,7 +238,7 @@ def backward(device: int, head_dim: int, dtype: torch.dtype, causal: bool, deter
     if plan is None:
         prep, specs = _backward_kernels(device, head_dim, dtype, causal, deterministic, forward_spec, variant,
                                         head_dim_v=head_dim_v)
-        scratch = [Scratch("delta", _stats), Scratch("lse_log2", _stats)]
+        scratch = [Scratch("delta", _stats), Scratch("lse_log2", _stats), *_learned_grad(prep)]
         steps = [Launch(kernels.get(spec)) for spec in [prep, *specs]]
         _sum_dq(specs, scratch, steps)
         plan = _plans[key] = Plan(tuple(steps), tuple(scratch))
@@ -290,7 +298,7 @@ def backward_varlen(device: int, head_dim: int, dtype: torch.dtype, causal: bool
     if plan is None:
         prep, specs = _backward_kernels(device, head_dim, dtype, causal, deterministic, forward_spec, variant, varlen=True,
                                         head_dim_v=head_dim_v)
-        scratch = [Scratch("delta", _varlen_stats), Scratch("lse_log2", _varlen_stats)]
+        scratch = [Scratch("delta", _varlen_stats), Scratch("lse_log2", _varlen_stats), *_learned_grad(prep)]
         steps = [Launch(kernels.get(spec)) for spec in [prep, *specs]]
         _sum_dq(specs, scratch, steps)
         plan = _plans[key] = Plan(tuple(steps), tuple(scratch), whole=True)

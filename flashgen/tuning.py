@@ -308,7 +308,7 @@ def tuned_spec(kind: str | None, head_dim: int, dtype: str, causal: bool, arch: 
     if kind is None:
         return forward_spec(head_dim, dtype, causal, arch, seqlen_q=4096, variant=variant)
     if kind == "bwd_prep":
-        return backward_prep(head_dim, dtype, arch)
+        return backward_prep(head_dim, dtype, arch, variant=variant)
     if kind == "bwd_dq_sm90":  # no tiles to tune: it reads the varlen backward's dQ sum back
         return KernelSpec(kind=kind, head_dim=head_dim, dtype=dtype, arch=arch, varlen=True)
     return _first_valid(kind, head_dim, dtype, causal, arch, variant=variant)
@@ -332,9 +332,11 @@ def backward_specs(head_dim: int, dtype: str, causal: bool, arch: str, determini
             for kind in kinds]
 
 
-def backward_prep(head_dim: int, dtype: str, arch: str, varlen: bool = False) -> KernelSpec:
-    """The prep reads rows of O and dO: head_dim is theirs (V's head dim)."""
-    return KernelSpec(head_dim=head_dim, dtype=dtype, arch=arch, kind="bwd_prep", **({"varlen": True} if varlen else {}))
+def backward_prep(head_dim: int, dtype: str, arch: str, varlen: bool = False, variant: tuple = ()) -> KernelSpec:
+    """The prep reads rows of O and dO: head_dim is theirs (V's head dim). With a variant that
+    learns (a sink) it also sums that variant's gradient (variants.for_prep)."""
+    return KernelSpec(head_dim=head_dim, dtype=dtype, arch=arch, kind="bwd_prep", **({"varlen": True} if varlen else {}),
+                      **variant_fields(variants.for_prep(variant)))
 
 
 TEST_HEAD_DIMS = (32, 40, 64, 80, 96, 128, 192, 256)

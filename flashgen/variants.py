@@ -57,12 +57,16 @@ class Declaration:
                  row's denominator.
     kinds:       the kernel kinds whose templates build it, where not every family that takes
                  variants does (their `fields`); the others refuse it by name.
-    backward:    the backward's kernels have it (False: they see it only through the forward's lse).
+    backward:    the backward's kernels have it (False: they see it only through the forward's lse;
+                 the prep, kind "bwd_prep", may still have it where `kinds` names it).
     plain_tiles: it takes the plain kernel's tiles: the tuning table's variant entries (smaller tiles,
                  for the registers a variant takes in the per-element loops) are not for it.
     gradient:    (its tensor, delta, lse, cu_seqlens_q or None) -> the gradient its tensor receives,
                  from the forward's lse and the backward's delta = rowsum(dO * O) - dlse per row
-                 (in lse's layout), or None.
+                 (in lse's layout), or None: the rule, which the oracle and the context-parallel
+                 merge apply; the ops take it from the backward's prep, which computes the same sum
+                 per (sequence, head) in its blocks (a learned variant's kinds name "bwd_prep"; at
+                 most one variant learns: the op returns one gradient).
     no_key_lse:  (its op argument, packed) -> the log-sum-exp of a row that sees no key, broadcast
                  over lse's layout, where it is not -inf (a sink: its logit), or None.
     sample:      (spec, q) -> a keyword value that exercises it (`python -m flashgen.check` runs a
@@ -269,7 +273,7 @@ REGISTRY: tuple[Declaration, ...] = (
                 sample=lambda spec, q: _geometric_slopes(q)),
     Declaration("sink", "learnable_sink", ", attention sinks", state=True, registers=2, arguments=("learnable_sink",),
                 params=_sink_params, check=_check_sink, op_args=(("learnable_sink", "Tensor?", None),),
-                keyword_schema="Tensor? learnable_sink", kinds=("fwd", "fwd_sm90", "decode", "decode_paged"), backward=False,
+                keyword_schema="Tensor? learnable_sink", kinds=("fwd", "fwd_sm90", "decode", "decode_paged", "bwd_prep"), backward=False,
                 plain_tiles=True, gradient=_sink_gradient, sample=lambda spec, q: _spread_sinks(q),
                 no_key_lse=lambda sink, packed: sink[0, :, None] if packed else sink[..., None]),  # ((heads, 1), (b, h, 1))
     Declaration("score_mod", "score_mod", ", a user score rule", score="rule", grad=True, registers=48,
@@ -293,6 +297,8 @@ OP_SCHEMA = ", ".join(f"{kind} {name}" for name, kind, _ in OP_ARGS)  # their to
 PLAIN_ARGS = tuple(plain for _, _, plain in OP_ARGS)
 # a learned variant's op argument -> the gradient its tensor receives
 GRADIENTS = {d.op_args[0][0]: d.gradient for d in REGISTRY if d.gradient}
+assert len(GRADIENTS) <= 1 and all("bwd_prep" in BY_NAME[d.name].kinds for d in REGISTRY if d.gradient), \
+    "a learned variant's gradient is the prep's, and the backward op returns one"
 _NO_KEY_LSE = {d.op_args[0][0]: d.no_key_lse for d in REGISTRY if d.no_key_lse}
 
 
@@ -325,6 +331,12 @@ def for_backward(variant: tuple) -> tuple:
     """A forward's variant (tuning.variant_fields' form) as its backward kernels have it: without
     those they see only through the forward's lse (a sink)."""
     return tuple(item for item in variant if BY_NAME[item[0] if isinstance(item, tuple) else item].backward)
+
+
+def for_prep(variant: tuple) -> tuple:
+    """A forward's variant (tuning.variant_fields' form) as the backward's prep has it: the variant
+    that learns (a sink), whose gradient the prep sums."""
+    return tuple(item for item in variant if not isinstance(item, tuple) and BY_NAME[item].gradient)
 
 
 def on(spec) -> tuple[Declaration, ...]:

@@ -92,7 +92,7 @@ def _attention(workload: Workload, head_dim, dtype, causal, arch, variant, varle
 def _backward(head_dim, dtype, causal, arch, variant, varlen, head_dim_v=0) -> list[KernelSpec]:
     """plans.backward's kernels in both modes: the prep, the tables' kernels, and the reader of a
     dQ sum where one runs."""
-    specs = [tuning.backward_prep(head_dim_v or head_dim, dtype, arch, varlen)]
+    specs = [tuning.backward_prep(head_dim_v or head_dim, dtype, arch, varlen, variant)]
     for deterministic in (False, True):
         picked = tuning.backward_specs(head_dim, dtype, causal, arch, deterministic, varlen, variant, head_dim_v)
         specs += picked + [reader for reader in (spec.family.dq_reader(spec) for spec in picked) if reader]

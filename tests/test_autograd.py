@@ -18,9 +18,11 @@ def stand_ins(monkeypatch):
     def forward(q, k, v, *args, **kwargs):  # (lse in each layout's shape: (batch, heads, seq), or (heads, total))
         return q.detach().clone(), torch.zeros(q.shape[:-1] if q.dim() == 4 else (q.shape[1], q.shape[0]))
 
-    def backward(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, *args):  # (delta, the prep's, in lse's layout)
+    def backward(d_o, q, k, v, o, lse, d_lse, cu_seqlens_q, *args):  # (a learned variant's gradient: the prep's sum)
+        given = ops.learned(args[7:])  # (after cu_seqlens_k, the lengths, causal, scale, deterministic, kernel)
         delta = (d_o * o).sum(-1) if cu_seqlens_q is None else (d_o * o).sum(-1).t()
-        return d_o.clone(), torch.zeros_like(k), torch.zeros_like(v), delta if ops.learns(args[-len(variants.OP_ARGS):]) else None
+        learned_grad = None if given is None else variants.GRADIENTS[given[0]](given[1], delta, lse, cu_seqlens_q)
+        return d_o.clone(), torch.zeros_like(k), torch.zeros_like(v), learned_grad
 
     monkeypatch.setattr(ops, "forward_impl", forward)
     monkeypatch.setattr(ops, "backward_impl", backward)
@@ -100,8 +102,9 @@ def test_an_expanded_input_is_copied_for_the_kernels():
 @pytest.mark.parametrize("call, shape", [(attend, (2, 4, 5, 8)), (attend_varlen, (5, 4, 8))], ids=["attention", "varlen"])
 def test_a_sink_gets_its_gradient_from_the_forward_s_lse_and_the_backward_s_delta(stand_ins, call, shape):
     """The kernels' backward needs nothing of a sink (the forward's lse holds it): its gradient is
-    variants' formula over the forward's lse and the backward's delta, in the sink's slot of the
-    op's inputs, summed over the batch by autograd (the op takes it as (batch, heads))."""
+    variants' formula over the forward's lse and the backward's delta (which the prep sums, here
+    the stand-in), in the sink's slot of the op's inputs, summed over the batch by autograd (the op
+    takes it as (batch, heads))."""
     q, k, v = leaves(*shape)
     sink = torch.tensor([1.0, -2.0, 0.5, 3.0], requires_grad=True)
     batch = q.shape[0] if call is attend else 1
@@ -112,22 +115,6 @@ def test_a_sink_gets_its_gradient_from_the_forward_s_lse_and_the_backward_s_delt
     delta = (d_o * o.detach()).sum(-1) if cu is None else (d_o * o.detach()).sum(-1).t()
     want = variants.GRADIENTS["learnable_sink"](sink.detach().expand(batch, 4), delta, lse, cu).sum(0)
     assert sink.grad is not None and torch.allclose(sink.grad, want)
-
-
-def test_the_prep_s_padded_rows_are_read_back_in_lse_s_layout():
-    """stats_in_rows undoes the prep's padding: fixed, the first seqlen_q rows; packed, sequence b's
-    rows from (cu_seqlens_q[b] + b * 128) rounded down to 128 (block_info's stats_rows), and 0 past
-    the last sequence."""
-    from flashgen.families.backward import stats_in_rows
-
-    stats = torch.arange(2 * 3 * 256, dtype=torch.float32).view(2, 3, 256)
-    assert torch.equal(stats_in_rows(stats, 200), stats[..., :200])
-    cu = torch.tensor([0, 3, 3, 200], dtype=torch.int32)  # rows 0-2 at 0-2; none; rows 3-199 at 256-452
-    packed = torch.arange(2 * 512, dtype=torch.float32).view(2, 512)
-    rows = stats_in_rows(packed, 201, cu)  # (one row past the last sequence)
-    assert torch.equal(rows[:, :3], packed[:, :3])
-    assert torch.equal(rows[:, 3:200], packed[:, 256:453])
-    assert torch.equal(rows[:, 200], torch.zeros(2))
 
 
 @pytest.mark.parametrize("packed", [False, True])

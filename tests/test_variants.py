@@ -150,6 +150,30 @@ def test_a_sink_joins_the_softmax_finish_of_every_forward_and_the_split_merge(sp
     assert any(spec.persistent for spec in SINK_PICKS) and any(spec.varlen for spec in SINK_PICKS)
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_the_backward_prep_sums_a_sink_s_gradient_per_block(varlen):
+    """The prep has the sink (the backward's other kernels do not): each block sums its rows'
+    -exp(sink - lse) * delta into its own slot of learned_grad, which the plan allocates per call
+    as (batch or sequences, heads, the grid's x) and the op sums in a fixed order; it compiles
+    without spills, and without a sink the prep has none of it."""
+    from flashgen import plans
+
+    prep = tuning.backward_prep(128, "bf16", "sm_90a", varlen, ("window", "sink"))
+    assert prep.variants == ("sink",) and prep == tuning.backward_prep(128, "bf16", "sm_90a", varlen).replace(variants=("sink",))
+    source = render(prep)
+    assert "const float* __restrict__ learnable_sink" in source and "float* __restrict__ learned_grad" in source
+    assert "sink_term = -exp2f((sink - l) * LOG2E) * dot;" in source and "write_block_sum(sink_term, learned_grad);" in source
+    assert ("learned_grad[(i64(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x] = 0.f;" in source) == varlen
+    assert "learned_grad" not in render(tuning.backward_prep(128, "bf16", "sm_90a", varlen))
+    binary = compile_source(prep, render(prep))
+    assert binary.resources.spill_stores == binary.resources.spill_loads == 0, binary.resources
+    # the grid's x, in the plan's buffer: 8 rows a block at d = 128 (16 lanes a row)
+    values = {"o": torch.empty(300, 4, 128), "cu_seqlens_q": torch.tensor([0, 100, 300]), "max_seqlen_q": 200} if varlen \
+        else {"o": torch.empty(2, 4, 300, 128)}
+    assert prep.family.learned_grad_shape(prep, values) == ((2, 4, 256 // 8) if varlen else (2, 4, 384 // 8))
+    assert [s.name for s in plans._learned_grad(prep)] == ["learned_grad"] and plans._learned_grad(prep.replace(variants=())) == []
+
+
 def test_the_hopper_forward_scores_each_tile_and_masks_per_warpgroup():
     source = render(HOPPER.replace(variants=("window", "softcap", "alibi")))
     assert "Score(softcap_scale, alibi_slopes[i64(tl.batch) * alibi_batch_stride + tl.head] * alibi_scale" in source

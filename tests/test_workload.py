@@ -213,6 +213,14 @@ def test_workload_options_are_checked_by_name():
     assert result.exit_code == 2 and "'sinks': must be one of window, softcap, alibi" in result.output
 
 
+def test_a_build_with_sinks_has_the_prep_that_sums_their_gradient():
+    """A deployment under FLASHGEN_NO_JIT=1 that trains sinks runs this prep (plans.backward)."""
+    built = Workload(head_dims=(128,), archs=("sm_90a",), variants=(("window", "sink"),)).specs()
+    assert tuning.backward_prep(128, "bf16", "sm_90a", variant=("sink",)) in built
+    assert not any(spec.variants and spec.kind.startswith("bwd") and spec.kind != "bwd_prep" and "sink" in spec.variants
+                   for spec in built)
+
+
 def test_repeated_variants_build_each_combination():
     result = CliRunner().invoke(cli.main, ["build", "--d", "128", "--entry", "kvcache", "--kvcache", "paged",
                                            "--variant", "none", "--variant", "window,softcap", "--dry-run"])

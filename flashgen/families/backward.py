@@ -35,30 +35,16 @@ def padded_varlen(total_q: int, batch: int) -> int:
     return padded(total_q + batch * STATS_PAD)
 
 
-def stats_in_rows(stats, rows: int, cu_seqlens_q=None):
-    """A statistics buffer the prep wrote (delta: [batch, heads, padded_q], or varlen [heads,
-    padded_varlen]) in the layout of the forward's lse: [batch, heads, rows] (a view), or varlen
-    [heads, rows = total_q], each sequence's rows gathered from where block_info's stats_rows put
-    them (rows past the last sequence read 0)."""
-    import torch
-
-    if cu_seqlens_q is None:
-        return stats[..., :rows]
-    starts, batch = cu_seqlens_q.long(), cu_seqlens_q.shape[0] - 1
-    row = torch.arange(rows, device=stats.device)
-    sequence = torch.searchsorted(starts[1:], row, right=True)
-    inside = sequence < batch
-    sequence.clamp_(max=batch - 1)
-    start = starts[sequence]
-    at = row + (start + sequence * STATS_PAD) // STATS_PAD * STATS_PAD - start
-    return torch.where(inside, stats[:, at], 0.0)
-
-
 class BackwardPrep(Family):
+    """With a variant that learns (variants.for_prep: a sink) the prep also sums its gradient over
+    each block's rows into `learned_grad` ([batch or sequences, heads, grid x], one partial per
+    block, every block writing its own: the host's sum over the last dim is deterministic)."""
+
     kinds = ("bwd_prep",)
     template = "attention_bwd_prep.cu.j2"
-    fields = ("head_dim", "dtype", "arch", "varlen")
-    arguments = ("o", "d_o", "lse", "d_lse", "delta", "lse_log2", "dq_accum", "cu_seqlens_q", "max_seqlen_q")
+    fields = ("head_dim", "dtype", "arch", "varlen", "variants")
+    arguments = ("o", "d_o", "lse", "d_lse", "delta", "lse_log2", "dq_accum", "learned_grad", "cu_seqlens_q", "max_seqlen_q",
+                 *variants.ARGUMENTS)
 
     def threads(self, spec: KernelSpec) -> int:
         return 128
@@ -68,7 +54,19 @@ class BackwardPrep(Family):
         """Lanes per query row: the row's 16-byte chunks, rounded up to a power of two."""
         return 1 << (spec.head_dim // 8 - 1).bit_length()
 
+    def rows_per_block(self, spec: KernelSpec) -> int:
+        return self.threads(spec) // self.lanes(spec)
+
+    def learned_grad_shape(self, spec: KernelSpec, values: dict) -> tuple[int, int, int]:
+        """The shape of a call's learned_grad: (batch or sequences, heads, blocks along the rows)."""
+        if spec.varlen:
+            return values["cu_seqlens_q"].shape[0] - 1, values["o"].shape[1], -(-values["max_seqlen_q"] // STATS_PAD) * (
+                STATS_PAD // self.rows_per_block(spec))
+        batch, heads, seqlen_q = values["o"].shape[:3]
+        return batch, heads, padded(seqlen_q) // self.rows_per_block(spec)
+
     def params(self, spec: KernelSpec) -> Params:
+        learned = [pointer("learned_grad", "float*"), *variants.params(spec)] if spec.variants else []
         if spec.varlen:
             return Params(self.arguments, [
                 *tensor("o", dims=PACKED), *tensor("d_o", dims=PACKED),
@@ -79,6 +77,7 @@ class BackwardPrep(Family):
                 pointer("cu_seqlens_q", "const int*"),
                 scalar("total_q", "int", "o.shape[0]"),
                 scalar("padded_q", "int", "delta.shape[1]"),
+                *learned,
             ])
         return Params(self.arguments, [
             *tensor("o"), *tensor("d_o"),
@@ -89,10 +88,11 @@ class BackwardPrep(Family):
             scalar("seqlen_q", "int", "o.shape[2]"),
             scalar("padded_q", "int", "delta.shape[2]"),
             scalar("heads", "int", "o.shape[1]"),
+            *learned,
         ])
 
     def grid(self, spec: KernelSpec) -> str:
-        rows = self.threads(spec) // self.lanes(spec)
+        rows = self.rows_per_block(spec)
         if spec.varlen:  # the padded rows of the longest sequence, heads, sequences
             return f"(-(-max_seqlen_q // {STATS_PAD}) * {STATS_PAD // rows}, o.shape[1], cu_seqlens_q.shape[0] - 1)"
         return f"(delta.shape[2] // {rows}, o.shape[1], o.shape[0])"
