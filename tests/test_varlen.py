@@ -124,7 +124,7 @@ def test_the_hopper_forward_offsets_its_maps_and_clips_partial_tiles():
 def test_the_backward_kernels_read_statistics_by_sequence():
     prep = render(tuning.backward_prep(64, "bf16", "sm_90a", varlen=True))
     assert "block.stats_rows(block.head, padded_q) + row" in prep and "block_info(cu_seqlens_q, total_q)" in prep
-    assert f"(seqlen_q + {STATS_PAD} - 1) / {STATS_PAD} * {STATS_PAD}) return;" in prep  # past its padded rows
+    assert f"(seqlen_q + {STATS_PAD} - 1) / {STATS_PAD} * {STATS_PAD})" in prep  # past its padded rows
     kvq = render(tuning.tuned_spec("bwd_kvq", 128, "bf16", True, "sm_90a").replace(varlen=True))
     assert "block.stats_rows(head, padded_q) + m0 + chunk * 4" in kvq and "if (n0 >= seqlen_k) return;" in kvq
     assert "dq_accum + (i64(block.q_start + row) * q_heads + head) * HEAD_DIM" in kvq and "dst + row8 + j * 8" in kvq
