@@ -86,10 +86,8 @@ def _well_formed(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_spli
 def _variant(q, causal, window_size, softcap, alibi_slopes, capacity: int, learnable_sink=None) -> variants.Variant:
     """The call's variants, checked (flashgen.variants; slopes per query head, or per sequence and
     query head; window sides of at least the capacity unbounded, as FlashAttention makes them)."""
-    if alibi_slopes is None and not softcap and window_size == (-1, -1) and learnable_sink is None:  # (plain calls)
-        return variants.PLAIN
-    return variants.make(variants.Call(causal, q.shape[0], q.shape[2], q.device, keys=capacity), window_size=window_size,
-                         softcap=softcap, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
+    return variants.make_if_given(lambda: variants.Call(causal, q.shape[0], q.shape[2], q.device, keys=capacity),
+                                  window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
 
 
 def _check_cache_rows(batch: int, paged: bool, cache_batch_idx, cache_leftpad) -> None:

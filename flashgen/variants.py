@@ -416,6 +416,15 @@ class Variant:
 PLAIN = Variant()
 
 
+def make_if_given(call: Callable[[], Call], **given) -> Variant:
+    """make() for a public function's keywords, where a plain call (each keyword at its default:
+    one cheap test, no Call built) is PLAIN; `call` builds the Call otherwise."""
+    if all(value is declaration.default or (type(value) is type(declaration.default) and value == declaration.default)
+           for declaration in REGISTRY for value in (given.get(declaration.keyword, declaration.default),)):
+        return PLAIN
+    return make(call(), **given)
+
+
 def make(call: Call, **given) -> Variant:
     """Check a call's variant keywords (each declaration's `keyword`; named in every error) and
     normalize them into the op arguments of those that are on."""

@@ -109,10 +109,8 @@ def check_variant(q, cu_seqlens_q, max_seqlen_k, causal, window_size, softcap, a
     """The call's variants, checked (flashgen.variants): slopes per query head, or per sequence
     (cu_seqlens_q's batch) and query head; window sides of at least max_seqlen_k unbounded
     (flash_attn_varlen_func's rule)."""
-    if alibi_slopes is None and not softcap and window_size == (-1, -1) and learnable_sink is None:  # (plain calls)
-        return variants.PLAIN
-    return variants.make(variants.Call(causal, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device, keys=max_seqlen_k),
-                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
+    return variants.make_if_given(lambda: variants.Call(causal, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device, keys=max_seqlen_k),
+                                  window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
 
 
 def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, window_size=(-1, -1),

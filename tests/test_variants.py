@@ -356,3 +356,18 @@ def test_every_call_variant_reaches_the_packers_of_the_kernels_it_picks(driver, 
     o, lse = ops.forward_impl(q, q, q, None, None, 0, causal, 0.125, "", True, *chosen.op_args())
     ops.backward_impl(q, q, q, q, o, lse, None, None, None, 0, 0, causal, 0.125, True, "", *chosen.op_args())
     assert len(driver.launches) >= 4  # forward, prep, the key-major and the query-major pass (and a block mask's)
+
+
+def test_a_plain_call_s_keywords_make_no_call_and_others_are_checked():
+    """The public functions' one cheap test for plain calls (serving, varlen): every keyword at its
+    default is PLAIN without building the Call; anything else goes through make's checks."""
+    def never():
+        raise AssertionError("a plain call built its Call")
+
+    assert variants.make_if_given(never, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, learnable_sink=None) \
+        is variants.PLAIN
+    call = lambda: variants.Call(True, 2, 4, torch.device("cpu"), keys=100)  # noqa: E731
+    assert variants.make_if_given(call, window_size=(8, 0), softcap=0.0).args == {"window_left": 8, "window_right": 0}
+    assert variants.make_if_given(call, softcap=0).args == {}  # (an int 0: checked, and off)
+    with pytest.raises(ValueError, match="softcap"):
+        variants.make_if_given(call, softcap=-1.0)
