@@ -174,8 +174,42 @@ def _masked(scores, causal, window_size):
     return scores
 
 
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _dequantized(q, k, v, descales: dict, out_dtype):
+    """FP8 inputs as the values they stand for (FlashAttention-3's rule: the stored value times its
+    descale, fp32 of shape (batch, heads_kv), one per KV head and its query heads), in fp32, and
+    the output's dtype (bf16 unless out_dtype says; for other inputs their own dtype). Descales
+    with inputs that are not FP8 are refused by name."""
+    given = [name for name, value in descales.items() if value is not None]
+    if q.dtype not in FP8:
+        if given:
+            raise ValueError(f"{given[0]} is for float8 inputs (q, k, v of dtype {' or '.join(map(str, FP8))}); got {q.dtype}")
+        if out_dtype is not None and out_dtype != q.dtype:
+            raise ValueError(f"out_dtype={out_dtype}: for {q.dtype} inputs the output is {q.dtype}")
+        return q, k, v, q.dtype
+    if out_dtype not in (None, torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"out_dtype={out_dtype}: for float8 inputs it must be torch.bfloat16 (the default), float16 or float32")
+    batch, heads_kv = k.shape[0], k.shape[1]
+    group = q.shape[1] // heads_kv
+    out = []
+    for (name, descale), t, repeat in zip(descales.items(), (q, k, v), (group, 1, 1)):
+        if descale is None:
+            out.append(t.float())
+            continue
+        if not (isinstance(descale, torch.Tensor) and descale.dtype == torch.float32 and tuple(descale.shape) == (batch, heads_kv)):
+            raise ValueError(f"{name} must be a float32 tensor of shape ({batch}, {heads_kv}) (batch, heads_kv); got "
+                             f"{getattr(descale, 'dtype', type(descale).__name__)} {tuple(getattr(descale, 'shape', ()))}")
+        if descale.device != q.device:
+            raise ValueError(f"{name} is on {descale.device}, the inputs on {q.device}: they must be on one device")
+        out.append(t.float() * descale.repeat_interleave(repeat, dim=1)[:, :, None, None])
+    return (*out, out_dtype or torch.bfloat16)
+
+
 def naive_attention(q, k, v, causal=False, scale=None, upcast=True, *, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, score_mod=None, mask_mod=None, return_lse=False, learnable_sink=None):
+                    alibi_slopes=None, score_mod=None, mask_mod=None, return_lse=False, learnable_sink=None,
+                    q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
     """softmax(q k^T * scale) v with the full score matrix: flashgen.attention in plain PyTorch, on
     any device. q and k (batch, heads, seqlen_q, head_dim), (batch, heads_kv, seqlen_k, head_dim), v
     the same as k or with a head dim of its own (then out's), heads a multiple of heads_kv, of one
@@ -195,14 +229,23 @@ def naive_attention(q, k, v, causal=False, scale=None, upcast=True, *, window_si
     The rules are Python functions: a flashgen.ScoreMod or MaskMod's twin is its .python.
     learnable_sink (heads,) fp32 joins each row's softmax as one more score that carries no value
     (the softmax over the row's scores and the sink, the sink's column dropped); differentiable.
+
+    FP8 inputs (q, k, v float8_e4m3fn or e5m2, FlashAttention-3's FP8 forward): q_descale,
+    k_descale, v_descale (fp32 (batch, heads_kv), None = 1) give the true values (stored times
+    descale), which the oracle attends to in fp32 (upcast only); out in out_dtype (default bf16).
     """
     scale, window_size, softcap = _checked(q, k, v, NAIVE_Q, NAIVE_KV, scale=scale, window_size=window_size,
                                            softcap=softcap, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
+    if q.dtype in FP8 and not upcast:
+        raise ValueError("upcast=False with float8 inputs: the oracle dequantizes them and computes in fp32 (upcast=True)")
+    q, k, v, out_dtype = _dequantized(q, k, v, {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale},
+                                      out_dtype)
     for name, rule in (("score_mod", score_mod), ("mask_mod", mask_mod)):
         if rule is not None and not callable(rule):
             raise TypeError(f"{name} must be a Python function (of a flashgen rule, its .python), got {type(rule).__name__}")
     o, lse = _attention(q, k, v, causal, scale, upcast, _clip_window(window_size, k.shape[-2]), softcap, alibi_slopes,
                         score_mod, mask_mod, learnable_sink)
+    o = o.to(out_dtype)
     return (o, lse) if return_lse else o
 
 

@@ -368,3 +368,35 @@ def test_merge_refuses_lse_of_the_wrong_shape():
         reference.merge_attention_states(o, lse, o.transpose(1, 2), lse)
     with pytest.raises(TypeError, match="lse_a must be a floating-point torch.Tensor, got list"):
         reference.merge_attention_states(o, [0.0], o, lse)
+
+
+def test_fp8_inputs_are_attended_as_their_dequantized_values():
+    """FlashAttention-3's FP8 rule: the true value is the stored e4m3 one times its descale (fp32,
+    (batch, heads_kv), a KV head's scale shared by its query heads); the oracle attends to those
+    values in fp32 and returns bf16 unless out_dtype says otherwise."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, h, 33, 32, generator=gen).to(torch.float8_e4m3fn) for h in (4, 2, 2))
+    q_descale, k_descale, v_descale = (torch.rand(2, 2, generator=gen) + 0.5 for _ in range(3))
+    out, lse = naive_attention(q, k, v, causal=True, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                               return_lse=True)
+    q_true = q.float() * q_descale.repeat_interleave(2, dim=1)[..., None, None]  # query heads 0, 1 on KV head 0
+    k_true, v_true = k.float() * k_descale[..., None, None], v.float() * v_descale[..., None, None]
+    want, want_lse = naive_attention(q_true, k_true, v_true, causal=True, return_lse=True)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want.to(torch.bfloat16)) and torch.equal(lse, want_lse)
+    assert naive_attention(q, k, v, out_dtype=torch.float16).dtype == torch.float16
+    assert torch.equal(naive_attention(q, k, v).float(), naive_attention(q.float(), k.float(), v.float()).bfloat16().float())
+
+
+def test_fp8_arguments_are_refused_by_name_where_they_do_not_apply():
+    q = torch.randn(1, 2, 8, 16)
+    fp8 = q.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="q_descale is for float8 inputs"):
+        naive_attention(q, q, q, q_descale=torch.ones(1, 2))
+    with pytest.raises(ValueError, match=r"k_descale must be a float32 tensor of shape \(1, 2\)"):
+        naive_attention(fp8, fp8, fp8, k_descale=torch.ones(2))
+    with pytest.raises(ValueError, match="upcast=False with float8 inputs"):
+        naive_attention(fp8, fp8, fp8, upcast=False)
+    with pytest.raises(ValueError, match="out_dtype="):
+        naive_attention(fp8, fp8, fp8, out_dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="out_dtype="):
+        naive_attention(q, q, q, out_dtype=torch.bfloat16)
