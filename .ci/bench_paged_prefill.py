@@ -1,7 +1,8 @@
 """GPU probe of chunked prefill over a paged cache (issue 42's target: 16 sequences, 2048 new queries
 each over 8k keys, 16-token pages, causal, d = 128: at least 0.9x the same problem over packed
 keys). Both through attention_varlen, timed A B A B in one process (packed, paged, packed, paged);
-the pages are shuffled. Also page sizes 64 and 256, and the kernel each path ran.
+the pages are shuffled. Also page sizes 32, 64 and 256, the kernel each path ran, and for the page
+sizes the producer gathers with cp.async (hopper.GATHER_PAGES) the same pages through TMA boxes.
 
     PYTHONPATH=. python3 .ci/bench_paged_prefill.py [--head-dim 128] [--heads 16] [--kv-heads 16]
 """
@@ -12,6 +13,7 @@ import torch
 
 import flashgen
 from flashgen import bench, plans
+from flashgen.families import hopper
 
 
 def main():
@@ -28,8 +30,11 @@ def main():
     cu_k = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * keys
     packed = lambda: flashgen.attention_varlen(q, k, v, cu_q, cu_k, chunk, keys, causal=True)  # noqa: E731
     flops = 4 * batch * args.heads * d * (chunk * keys - chunk * chunk / 2)  # causal, bottom-right: each row's visible keys
-    rows = ["| page | packed ms | paged ms | paged / packed speed (two rounds) | paged TFLOPS | kernel |", "|---|---|---|---|---|---|"]
-    for page in (16, 64, 256):
+    rows = ["| page | loads | packed ms | paged ms | paged / packed speed (two rounds) | paged TFLOPS | kernel |",
+            "|---|---|---|---|---|---|---|"]
+    gathered = hopper.GATHER_PAGES
+    for page, loads in [(16, "gather"), (16, "tma"), (32, "gather"), (32, "tma"), (64, "tma"), (256, "tma")]:
+        hopper.GATHER_PAGES = gathered if loads == "gather" else ()
         order = torch.randperm(batch * keys // page, device="cuda", generator=gen)
         k_cache, v_cache = (t.view(-1, page, args.kv_heads, d)[order].contiguous() for t in (k, v))
         table = torch.argsort(order).view(batch, keys // page).to(torch.int32)  # page j of sequence b: where it went
@@ -43,7 +48,7 @@ def main():
         plan = plans.paged_prefill(0, d, torch.bfloat16, True, chunk)
         kernel = plan.steps[0].kernel.spec.name if plan else "decode (varlen)"
         ratios = [p / g for p, g in zip(times["packed"], times["paged"])]
-        rows.append(f"| {page} | {min(times['packed']):.3f} | {min(times['paged']):.3f} | {ratios[0]:.3f}, {ratios[1]:.3f} | "
+        rows.append(f"| {page} | {loads if page in gathered else 'tma'} | {min(times['packed']):.3f} | {min(times['paged']):.3f} | {ratios[0]:.3f}, {ratios[1]:.3f} | "
                     f"{flops / min(times['paged']) / 1e9:.0f} | {kernel} |")
         print(rows[-1], flush=True)
     print("\n".join(rows))

@@ -47,11 +47,15 @@ class Param:
         return f"{self.ctype} {self.name}"
 
 
-def tensor(name: str, const: bool = True, elem: str = "elem_t", dims: tuple[str, ...] = ("batch", "head", "row")) -> list[Param]:
-    """A tensor argument: its data pointer, then the strides (in elements) of its leading `dims`."""
+def tensor(name: str, const: bool = True, elem: str = "elem_t", dims: tuple[str, ...] = ("batch", "head", "row"),
+           value: str | None = None) -> list[Param]:
+    """A tensor argument: its data pointer, then the strides (in elements) of its leading `dims`.
+    The tensor is the argument `name`, or `value` (an argument's name or an expression over them)."""
     qualifier = "const " if const else ""
-    params = [Param(name, f"{qualifier}{elem}* __restrict__", "ptr", f"{name}.data_ptr()", name)]
-    params += [Param(f"{name}_{dim}", "i64", "i64", f"{name}_stride[{i}]", name) for i, dim in enumerate(dims)]
+    value = value or name
+    stride = (lambda i: f"{value}_stride[{i}]") if value.isidentifier() else (lambda i: f"{value}.stride({i})")
+    params = [Param(name, f"{qualifier}{elem}* __restrict__", "ptr", f"{value}.data_ptr()", name)]
+    params += [Param(f"{name}_{dim}", "i64", "i64", stride(i), name) for i, dim in enumerate(dims)]
     return params
 
 

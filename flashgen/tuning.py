@@ -285,7 +285,8 @@ def paged_forward_spec(head_dim: int, dtype: str, causal: bool, arch: str, seqle
     if not builds_for("fwd_sm90", arch) or query_bucket(seqlen_q) or not takes("fwd_sm90", variant):
         return None
     try:
-        return _first_valid("fwd_sm90", head_dim, dtype, causal, arch, "long", True, variant, head_dim_v).replace(paged=True)
+        spec = _first_valid("fwd_sm90", head_dim, dtype, causal, arch, "long", True, variant, head_dim_v)
+        return spec.replace(paged=True, block_m=128)  # two consumers: the producer's page gathers take a third's registers
     except SpecError:
         return None
 

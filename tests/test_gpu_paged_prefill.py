@@ -1,6 +1,6 @@
 """GPU tier: chunked prefill over a paged cache on the Hopper forward (attention_varlen with a
 block_table and query chunks of more than 64 rows): its producer reads the pages through the block
-table with TMA. Against the fp32 oracle by the numerics rule, over page sizes smaller than, equal
+table with TMA, or pages of 16 and 32 rows with cp.async gathers. Against the fp32 oracle by the numerics rule, over page sizes smaller than, equal
 to and larger than the key tile (and one no power of two), GQA, causal and not, variants, table
 entries past a sequence's pages that point anywhere; and the plan is the Hopper one."""
 
@@ -40,6 +40,22 @@ def test_paged_prefill_variants(options):
     if options.pop("learnable_sink", False):
         options["learnable_sink"] = torch.linspace(-2.0, 3.0, 8, device="cuda")
     problem.run(causal=True, **options)
+
+
+@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("shape", [(8, 2, 128), (8, 8, 64), (4, 1, 256), (4, 4, 80)], ids=["d128", "d64", "d256", "d80"])
+def test_small_pages_gathered_as_tma_would_load_them(shape, page_size, monkeypatch):
+    """The cp.async gathers fill the same swizzled tiles as TMA boxes of the same pages would (zeros
+    past the sequence and the head dim): the two paths give bitwise the same output and lse."""
+    needs_hopper()
+    from flashgen.families import hopper
+
+    heads, kv_heads, head_dim = shape
+    problem = PagedVarlen(*LONG, heads, kv_heads, head_dim, page_size, seed=page_size + head_dim)
+    gathered = problem.run(causal=True)
+    monkeypatch.setattr(hopper, "GATHER_PAGES", ())  # every page size through TMA
+    tma = problem.run(causal=True)
+    assert torch.equal(gathered[0], tma[0]) and torch.equal(gathered[1], tma[1])
 
 
 def test_table_entries_past_a_sequence_s_pages_are_never_read():

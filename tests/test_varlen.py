@@ -14,6 +14,7 @@ import flashgen
 from flashgen import plans, reference, tuning
 from flashgen.compile import compile_ptx, compile_source
 from flashgen.families import STATS_PAD
+from flashgen.families import hopper
 from flashgen.families.backward import padded_varlen
 from flashgen.kernels import Kernel
 from flashgen.reference import attention_varlen as reference_varlen
@@ -641,5 +642,13 @@ def test_long_chunks_over_a_paged_cache_pick_the_hopper_forward_reading_pages():
     assert not {"block_table", "k_new_map"} & {p.name for p in spec.replace(paged=False).family.params(spec.replace(paged=False)).params}
     binary = compile_source(spec, render(spec))
     assert binary.resources.spill_stores == 0
+    # pages of 16 or 32 rows that a key tile holds whole are gathered by cp.async, others loaded by TMA
+    assert {"page_gather", "k_cache", "k_cache_page", "v_new", "v_new_head"} <= set(names)
+    gathers = {(page, block_n): hopper.page_gather(torch.empty(2, page, 1, 8), block_n)
+               for page in (16, 32, 48, 64, 256) for block_n in (80, 128)}
+    assert {key for key, gather in gathers.items() if gather} == {(16, 80), (16, 128), (32, 128)}
+    ptx = compile_ptx(spec, render(spec)).decode()
+    assert "cp.async.mbarrier.arrive.noinc.shared::cta.b64" in ptx and "cp.async.cg.shared.global" in ptx
+    assert "fence.proxy.async.shared::cta" in ptx  # the consumers' fence before wgmma reads gathered tiles
     with pytest.raises(SpecError, match="paged=True: the paged Hopper forward takes packed sequences"):
         spec.replace(varlen=False)

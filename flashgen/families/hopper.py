@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from .. import variants
-from ..params import Param, Params, pointer, scalar, strides, tensormap
+from ..params import Param, Params, pointer, scalar, strides, tensor, tensormap
 from ..smem import Region, SmemLayout
 from ..spec import SMEM_LIMIT, KernelSpec, SpecError
 from .base import Family, block_mask_lists, check_rules_fixed_length
@@ -23,6 +23,11 @@ MAX_ACCUMULATORS = {2: 200, 3: 128}
 # padded head dim a thread): calibrated on the CPU compile sweep (128 x 144 at d = 128 and 128 x 192
 # at d = 64 compile without spills, the next block_n up spills). Three consumers have no room.
 MAX_WITH_Q = {2: 208, 3: 0}
+# setmaxnreg's split of 512 registers a thread slot, by consumer warpgroups: the producer keeps
+# (24 or 32) what TMA issue needs and the consumers take the rest. The paged forward's producer
+# gathers small pages and keeps 48, so each of its two consumers gives up PAGED_GIVES.
+REGISTERS = {2: {"producer": 24, "consumer": 240}, 3: {"producer": 32, "consumer": 160}}
+PAGED_GIVES = 8
 # What a user rule takes beside them (its tensors' addresses, the values its expression holds per
 # element), and each built-in variant once a rule is on (its declaration's registers): calibrated on the
 # CPU compile sweep (tests/test_variants.py), past which the kernels spilled.
@@ -41,6 +46,18 @@ def page_rows(cache, block_n: int) -> int:
     """Rows of a paged cache one TMA load takes: the largest count that divides both the page size
     and the key tile (both multiples of 16), so no load crosses a page or a tile's end."""
     return math.gcd(cache.shape[1], block_n)
+
+
+# Page sizes the paged forward gathers with the producer warpgroup's cp.async instead of TMA: with
+# TMA boxes of 16 rows the tensor pipe idled half the time. (Both are powers of two, and a key tile
+# holds whole pages of them, which keeps the gather's page arithmetic to shifts and masks.)
+GATHER_PAGES = (16, 32)
+
+
+def page_gather(cache, block_n: int) -> int:
+    """1 where the paged forward gathers K and V with cp.async (small pages), 0 where TMA loads them."""
+    page = cache.shape[1]
+    return int(page in GATHER_PAGES and block_n % page == 0)
 
 
 _sm_counts: dict[int, int] = {}
@@ -97,10 +114,13 @@ class HopperForward(Family):
         check_rules_fixed_length(spec)
         if spec.paged and not spec.varlen:
             raise SpecError("paged=True: the paged Hopper forward takes packed sequences (varlen=True)")
+        if spec.paged and spec.block_m != 128:
+            raise SpecError(f"paged=True, block_m={spec.block_m}: the paged Hopper forward runs block_m=128 (its "
+                            "producer warpgroup gathers small pages with the registers a third consumer would take)")
         if spec.varlen and spec.persistent:
             raise SpecError("varlen=True, persistent=True: the varlen Hopper forward runs one tile per CTA (persistent=False)")
         held = self.accumulators(spec)
-        limit = MAX_ACCUMULATORS[self.consumers(spec)]
+        limit = MAX_ACCUMULATORS[self.consumers(spec)] - (PAGED_GIVES if spec.paged else 0)
         if held > limit:
             raise SpecError(
                 f"block_m={spec.block_m}, block_n={spec.block_n}, {spec.dims_text}: each consumer thread "
@@ -128,7 +148,14 @@ class HopperForward(Family):
         if spec.score_mod or spec.mask_mod:
             return False
         held = self.accumulators(spec) + self.head_dim_pad(spec) // 4 + sum(d.registers for d in variants.on(spec))
-        return held <= MAX_WITH_Q[self.consumers(spec)]
+        return held <= MAX_WITH_Q[self.consumers(spec)] - (PAGED_GIVES if spec.paged else 0)
+
+    def registers(self, spec: KernelSpec) -> dict:
+        """setmaxnreg's counts: {"producer": ..., "consumer": ...} registers a thread."""
+        split = dict(REGISTERS[self.consumers(spec)])
+        if spec.paged:  # block_m = 128: two consumers
+            split = {"producer": split["producer"] + 2 * PAGED_GIVES, "consumer": split["consumer"] - PAGED_GIVES}
+        return split
 
     def threads(self, spec: KernelSpec) -> int:
         return 128 * (self.consumers(spec) + 1)
@@ -178,11 +205,19 @@ class HopperForward(Family):
             tensormap("k_new_map", f"tensor_map((k if k_new is None else k_new).transpose(1, 2), page_rows(k, {spec.block_n}))"),
             tensormap("v_new_map", f"tensor_map((v if v_new is None else v_new).transpose(1, 2), page_rows(k, {spec.block_n}))"),
             scalar("seqlen_new", "int"),
+            # the gathers' addresses: the caches (num_pages, page_size, heads_kv, d) and the new keys
+            # (batch, seqlen_new, heads_kv, d; the caches stand in without an append)
+            scalar("page_gather", "int", f"page_gather(k, {spec.block_n})"),
+            *tensor("k_cache", value="k", dims=("page", "row", "head")),
+            *tensor("v_cache", value="v", dims=("page", "row", "head")),
+            *tensor("k_new", value="(k if k_new is None else k_new)", dims=("batch", "row", "head")),
+            *tensor("v_new", value="(v if v_new is None else v_new)", dims=("batch", "row", "head")),
         ] if spec.paged else []
         return Params(self.arguments, [*maps, *clipped, *pages, *forward_outputs_and_sizes(spec)])
 
     def helpers(self, spec: KernelSpec) -> dict:
-        return {**super().helpers(spec), **tensor_map_helper(), "sm_count": _sm_count, "page_rows": page_rows}
+        return {**super().helpers(spec), **tensor_map_helper(), "sm_count": _sm_count, "page_rows": page_rows,
+                "page_gather": page_gather}
 
     @staticmethod
     def _tiles(spec: KernelSpec) -> str:
@@ -196,7 +231,9 @@ class HopperForward(Family):
         return f"(-(-q.shape[2] // {spec.block_m}), q.shape[1], q.shape[0])"
 
     def context(self, spec: KernelSpec) -> dict:
-        context = {**super().context(spec), "wgmma": True, "q_in_regs": self.q_in_registers(spec)}
+        registers = self.registers(spec)
+        context = {**super().context(spec), "wgmma": True, "q_in_regs": self.q_in_registers(spec),
+                   "producer_regs": registers["producer"], "consumer_regs": registers["consumer"]}
         if spec.mask_mod:
             context.update(block_mask_lists(key_major=False))
         return context
