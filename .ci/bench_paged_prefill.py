@@ -21,6 +21,7 @@ def main():
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=16)
+    parser.add_argument("--pages", default="16,32,64,256", help="page sizes, comma-separated")
     args = parser.parse_args()
     batch, chunk, keys, d = 16, 2048, 8192, args.head_dim
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -33,7 +34,8 @@ def main():
     rows = ["| page | loads | packed ms | paged ms | paged / packed speed (two rounds) | paged TFLOPS | kernel |",
             "|---|---|---|---|---|---|---|"]
     gathered = hopper.GATHER_PAGES
-    for page, loads in [(16, "gather"), (16, "tma"), (32, "gather"), (32, "tma"), (64, "tma"), (256, "tma")]:
+    pages = [int(page) for page in args.pages.split(",")]
+    for page, loads in [(page, loads) for page in pages for loads in (("gather", "tma") if page in gathered else ("tma",))]:
         hopper.GATHER_PAGES = gathered if loads == "gather" else ()
         order = torch.randperm(batch * keys // page, device="cuda", generator=gen)
         k_cache, v_cache = (t.view(-1, page, args.kv_heads, d)[order].contiguous() for t in (k, v))
