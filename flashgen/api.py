@@ -9,7 +9,7 @@ import torch
 
 from . import inputs, modifiers, ops, variants
 from .compile import NoJitError  # noqa: F401  (re-exported: flashgen.NoJitError)
-from .plans import DTYPES
+from .plans import DTYPES, FP8_DTYPES
 from .spec import KernelSpec
 
 
@@ -59,6 +59,8 @@ def attention(
     deterministic: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None, learnable_sink: torch.Tensor | None = None,
     score_mod: modifiers.ScoreMod | None = None, mask_mod: modifiers.MaskMod | None = None,
+    q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ):
     """Exact softmax(q k^T * scale) v without materializing the scores; differentiable.
 
@@ -92,9 +94,16 @@ def attention(
     into the kernel): score_mod rewrites each score after the variants; mask_mod drops keys, and
     key tiles where it keeps none are never visited (a block mask, made once per shape for a rule
     that reads no tensor, per call otherwise). No gradient flows into a rule's tensors.
+
+    FP8 (FlashAttention-3's arguments; sm_90a): q, k and v in torch.float8_e4m3fn, each with an
+    optional descale, q_descale, k_descale, v_descale: fp32 (B, H_kv), the true value of an element
+    being the stored one times the descale of its batch and KV head (None: 1). The output is
+    bfloat16, or out_dtype (torch.bfloat16 or torch.float16). P is rounded to e4m3 for P V, as
+    FlashAttention-3 does. The FP8 forward is forward-only: inputs that require grad are refused.
     """
     return call(q, k, v, causal, scale, return_lse, deterministic, window_size=window_size, softcap=softcap,
-                alibi_slopes=alibi_slopes, learnable_sink=learnable_sink, score_mod=score_mod, mask_mod=mask_mod)
+                alibi_slopes=alibi_slopes, learnable_sink=learnable_sink, score_mod=score_mod, mask_mod=mask_mod,
+                q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype)
 
 
 def call_variant(q, k, causal, **keywords) -> variants.Variant:
@@ -116,9 +125,14 @@ def _with_neutral(spec: KernelSpec, chosen: variants.Variant, call: variants.Cal
 
 
 def call(q, k, v, causal, scale, return_lse, deterministic, spec: KernelSpec | None = None, *,
-         window_size=(-1, -1), softcap=0.0, alibi_slopes=None, learnable_sink=None, score_mod=None, mask_mod=None):
+         window_size=(-1, -1), softcap=0.0, alibi_slopes=None, learnable_sink=None, score_mod=None, mask_mod=None,
+         q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
     """attention() with, optionally, the forward kernel fixed to `spec` (a prebuilt kernel's):
     the one path every public entry point takes."""
+    if getattr(q, "dtype", None) in FP8_DTYPES or out_dtype is not None or not q_descale is k_descale is v_descale is None:
+        return _fp8_call(q, k, v, causal, scale, return_lse, spec, q_descale, k_descale, v_descale, out_dtype,
+                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink,
+                         score_mod=score_mod, mask_mod=mask_mod)
     q, k, v = ops.autocast_inputs(q, k, v)
     check_inputs(q, k, v)
     chosen, given = variants.PLAIN, {}
@@ -142,4 +156,37 @@ def call(q, k, v, causal, scale, return_lse, deterministic, spec: KernelSpec | N
         kernel = spec.canonical()
     o, lse = ops.attention(q, k, v, None, None, 0, 0, bool(causal), softmax_scale(scale, q.shape[-1]), kernel,
                            bool(deterministic), need_lse=bool(return_lse), variant=chosen.op_args())
+    return (o, lse) if return_lse else o
+
+
+def _fp8_call(q, k, v, causal, scale, return_lse, spec, q_descale, k_descale, v_descale, out_dtype, **keywords):
+    """attention() with FP8 inputs: checked, then the FP8 forward (flashgen.ops.fp8_forward)."""
+    named = {"q": q, "k": k, "v": v}
+    for name, t in named.items():
+        inputs.tensor(name, t, 4, "(batch, heads, seq, head_dim), like F.scaled_dot_product_attention")
+    if q.dtype not in FP8_DTYPES:
+        raise TypeError(f"q has dtype {q.dtype}: q_descale, k_descale, v_descale and out_dtype are for FP8 inputs "
+                        "(torch.float8_e4m3fn q, k and v)")
+    inputs.same("batch size", {name: t.shape[0] for name, t in named.items()})
+    inputs.same("number of heads", {"k": k.shape[1], "v": v.shape[1]})
+    inputs.query_groups(q.shape[1], k.shape[1])
+    inputs.same("sequence length", {"k": k.shape[2], "v": v.shape[2]})
+    inputs.head_dims(q.shape[3], k.shape[3], v.shape[3])
+    out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
+    inputs.fp8(named, {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}, out_dtype,
+               q.shape[0], k.shape[1])
+    inputs.last_dim_contiguous(named)
+    inputs.on_one_cuda_device("attention", {**named, "q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale})
+    if spec is not None:
+        raise ValueError("FP8 attention runs the kernel the tables pick (no prebuilt spec yet)")
+    learning = [name for name, value in keywords.items() if isinstance(value, torch.Tensor) and value.requires_grad]
+    if learning and torch.is_grad_enabled():
+        raise RuntimeError(f"{inputs.listed(learning)} require{'s' if len(learning) == 1 else ''} grad: FP8 attention is "
+                           "forward-only (as FlashAttention-3's); run it under torch.no_grad()")
+    chosen = variants.PLAIN
+    if (keywords["alibi_slopes"] is not None or keywords["softcap"] or tuple(keywords["window_size"]) != (-1, -1)
+            or keywords["learnable_sink"] is not None or keywords["score_mod"] is not None or keywords["mask_mod"] is not None):
+        chosen = call_variant(q, k, causal, **keywords)
+    o, lse = ops.fp8_forward(q, k, v, q_descale, k_descale, v_descale, bool(causal), softmax_scale(scale, q.shape[-1]),
+                             out_dtype, bool(return_lse), chosen.op_args())
     return (o, lse) if return_lse else o

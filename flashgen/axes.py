@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ElementType:
-    """A tensor element type of q, k, v and o (accumulation is always fp32)."""
+    """A tensor element type of q, k, v (and o, for the 16-bit ones; accumulation is always fp32)."""
 
     name: str  # the spec's `dtype` and the kernel name's part
     torch: str  # its torch.dtype's name (looked up when torch is imported)
@@ -19,12 +19,28 @@ class ElementType:
     storage: str  # the C type a kernel stores it as (its arithmetic is fp32): elem_t
     tensor_map: int  # CU_TENSOR_MAP_DATA_TYPE_* for a TMA descriptor of it
     about: str
+    output: bool = True  # kernels write it (FP8 inputs give a 16-bit output: the spec's out_dtype)
+    max: float = 0.0  # the largest finite value, for types stored with a scale (0: not scaled)
+
+    @property
+    def mma_k(self) -> int:
+        """The k of one tensor-core step: 32 bytes of each operand row."""
+        return 32 // self.bytes
+
+    @property
+    def chunk_cols(self) -> int:
+        """Elements in one 128-byte row of a swizzled tile (one TMA box's width)."""
+        return 128 // self.bytes
 
 
 ELEMENT_TYPES = {t.name: t for t in (
     ElementType("fp16", "float16", "f16", 2, "unsigned short", 6, "IEEE half precision"),
     ElementType("bf16", "bfloat16", "bf16", 2, "unsigned short", 9, "bfloat16"),
+    # FP8 (OCP e4m3, no infinities): q, k, v with a descale each; the forward's output is 16-bit
+    ElementType("e4m3", "float8_e4m3fn", "e4m3", 1, "unsigned char", 0, "FP8 e4m3 (4 exponent, 3 mantissa bits)",
+                output=False, max=448.0),
 )}
+OUTPUT_TYPES = tuple(name for name, t in ELEMENT_TYPES.items() if t.output)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from .plans import DTYPES, MAX_GRID_YZ
+from .plans import DTYPES, FP8_DTYPES, MAX_GRID_YZ
 from .spec import HEAD_DIM_RULE
 
 
@@ -35,6 +35,29 @@ def half_precision(name: str, t: torch.Tensor) -> None:
     if t.dtype not in DTYPES:
         raise TypeError(f"{name} has dtype {t.dtype}; flashgen supports torch.float16 and torch.bfloat16 "
                         f"(cast with .to(torch.bfloat16))")
+
+
+def fp8(named: dict, descales: dict, out_dtype, batch: int, kv_heads: int) -> None:
+    """An FP8 call (FlashAttention-3's): the tensors (name: tensor) e4m3, none needing a gradient
+    (the FP8 forward has no backward); each descale None or fp32 (batch, kv_heads), the true value
+    of a tensor's element being its stored one times the descale of its batch and KV head; the
+    output 16-bit."""
+    for name, t in named.items():
+        if t.dtype not in FP8_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; with FP8 inputs, q, k and v are all torch.float8_e4m3fn")
+    wanting = [name for name, t in named.items() if t.requires_grad]
+    if wanting and torch.is_grad_enabled():
+        raise RuntimeError(f"{listed(wanting)} require{'s' if len(wanting) == 1 else ''} grad: FP8 attention is forward-only "
+                           "(as FlashAttention-3's); run it under torch.no_grad() or with tensors that need no gradient")
+    for name, t in descales.items():
+        if t is None:
+            continue
+        tensor(name, t)
+        if t.dtype != torch.float32 or tuple(t.shape) != (batch, kv_heads):
+            raise ValueError(f"{name} must be float32 of shape (batch, heads_kv) = ({batch}, {kv_heads}); "
+                             f"got {t.dtype} of shape {tuple(t.shape)}")
+    if out_dtype not in DTYPES:
+        raise TypeError(f"out_dtype={out_dtype}: the output of an FP8 forward is torch.bfloat16 or torch.float16")
 
 
 def one_dtype(named: dict) -> None:

@@ -30,12 +30,13 @@ PLAIN_ARGS = variants.PLAIN_ARGS
 
 
 def autocast_inputs(q, k, v):
-    """Under CUDA autocast, every floating input but fp64 in the autocast dtype (SDPA's policy)."""
+    """Under CUDA autocast, every floating input but fp64 and FP8 in the autocast dtype (SDPA's
+    policy; FP8 inputs are already quantized, with their descales)."""
     if not torch.is_autocast_enabled("cuda"):
         return q, k, v
     dtype = torch.get_autocast_dtype("cuda")
-    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64 else t
-                 for t in (q, k, v))
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+                 and t.dtype not in plans.FP8_DTYPES else t for t in (q, k, v))
 
 
 def variant_values(q, k, causal, *op_args) -> tuple[tuple, dict]:
@@ -113,6 +114,50 @@ def forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, causal:
     plan = (plans.forward_varlen if packed else plans.forward)(device, head_dim, q.dtype, causal, seqlen_q, kernel, fields,
                                                                head_dim_v=head_dim_v)
     plan.run(device, values)
+    return o, lse
+
+
+# ---- FP8: a forward-only op -------------------------------------------------------------------------
+
+# Within each 16 keys, the key that position k of FP8's transposed V holds: the order in which a
+# thread's e4m3 registers of P hold them (templates/fwd_sm90_consumer.cuh.j2, convert_p: position
+# 4 t + b is key 2 t + b % 2 + 8 (b / 2)), so P needs no exchange between lanes.
+FP8_KEY_ORDER = tuple(2 * (k // 4) + (k % 4) % 2 + 8 * ((k % 4) // 2) for k in range(16))
+
+
+def fp8_values(v: torch.Tensor) -> torch.Tensor:
+    """V of an FP8 forward as its kernel reads it: (B, H_kv, d_v, keys), keys contiguous (wgmma
+    takes 8-bit operands K-major only), padded with zeros to whole 16s and each 16 in
+    FP8_KEY_ORDER. One pass over V, in PyTorch (its bytes as uint8: the index ops take those)."""
+    batch, kv_heads, keys, head_dim_v = v.shape
+    bytes_ = v.view(torch.uint8).transpose(2, 3)
+    if keys % 16:
+        bytes_ = torch.nn.functional.pad(bytes_, (0, 16 - keys % 16))
+    order = torch.tensor(FP8_KEY_ORDER, device=v.device)
+    grouped = bytes_.reshape(batch, kv_heads, head_dim_v, -1, 16).index_select(4, order)
+    return grouped.reshape(batch, kv_heads, head_dim_v, -1).view(v.dtype)
+
+
+def fp8_forward(q, k, v, q_descale, k_descale, v_descale, causal: bool, scale: float, out_dtype: torch.dtype,
+                need_lse: bool, variant: tuple):
+    """(o, lse) of an FP8 forward (e4m3 q, k, v of flashgen.attention's layout, checked; descales
+    fp32 (B, H_kv) or None): o in out_dtype with V's head dim, lse (B, H, Tq) fp32 or None."""
+    batch, heads, seqlen_q, head_dim = q.shape
+    o = q.new_empty((batch, heads, seqlen_q, v.shape[-1]), dtype=out_dtype)
+    lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device) if need_lse else None
+    if o.numel() == 0:
+        return o, lse
+    if k.shape[2] == 0:  # no keys: every row sees nothing
+        return o.zero_(), None if lse is None else variants.no_key_lse(lse, False, variant)
+    values = {"q": aligned(q), "k": aligned(k), "v": fp8_values(v), "o": o, "lse": lse, "scale": scale,
+              **{name: None if t is None else t.contiguous() for name, t in
+                 (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))}}
+    fields = ()
+    if variant and variant != PLAIN_ARGS:
+        fields, more = variant_values(q, k, causal, *variant)
+        values.update(more)
+    head_dim_v = v.shape[-1] if v.shape[-1] != head_dim else 0
+    plans.forward_fp8(q.get_device(), head_dim, out_dtype, causal, fields, head_dim_v).run(q.get_device(), values)
     return o, lse
 
 

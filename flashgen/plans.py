@@ -22,7 +22,9 @@ from .families.decode import MAX_SPLITS
 from .kernels import Kernel
 from .spec import KernelSpec, SpecError, arch_for_capability
 
-DTYPES = {getattr(torch, element.torch): name for name, element in ELEMENT_TYPES.items()}  # torch dtype -> the spec's
+# torch dtype -> the spec's: the 16-bit types every entry point takes, and the FP8 inputs of the forward
+DTYPES = {getattr(torch, element.torch): name for name, element in ELEMENT_TYPES.items() if element.output}
+FP8_DTYPES = {getattr(torch, element.torch): name for name, element in ELEMENT_TYPES.items() if not element.output}
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,17 @@ def forward(device: int, head_dim: int, dtype: torch.dtype, causal: bool, seqlen
         chosen = KernelSpec.from_json(spec) if spec else tuning.forward_spec(
             head_dim, DTYPES[dtype], causal, device_arch(device), seqlen_q, variant=variant, head_dim_v=head_dim_v
         )
+        plan = _plans[key] = Plan((Launch(kernels.get(chosen)),))
+    return plan
+
+
+def forward_fp8(device: int, head_dim: int, out_dtype: torch.dtype, causal: bool, variant: tuple[str, ...] = (),
+                head_dim_v: int = 0) -> Plan:
+    """The FP8 forward's plan (e4m3 q, k, v; the output in out_dtype)."""
+    key = ("fwd_fp8", device, head_dim, head_dim_v, out_dtype, causal, variant)
+    plan = _plans.get(key)
+    if plan is None:
+        chosen = tuning.fp8_forward_spec(head_dim, DTYPES[out_dtype], causal, device_arch(device), variant, head_dim_v)
         plan = _plans[key] = Plan((Launch(kernels.get(chosen)),))
     return plan
 

@@ -157,13 +157,15 @@ _SWIZZLE_128B, _L2_PROMOTION_128B, _OOB_FILL_ZEROS = 3, 2, 0
 _tensor_maps: dict[tuple, bytes] = {}
 
 
-def tensor_map(t: torch.Tensor, box_rows: int, box_cols: int = 64) -> bytes:
+def tensor_map(t: torch.Tensor, box_rows: int, box_cols: int | None = None) -> bytes:
     """The TMA descriptor (CUtensorMap, 128 bytes) of a (B, H, T, d) tensor with a contiguous last
     dimension (or of a packed (total, H, d) one, seen as a batch of one: (1, H, total, d)):
-    rank 4 over (d, T, H, B), tiles of box_rows x box_cols elements, 128-byte swizzle,
+    rank 4 over (d, T, H, B), tiles of box_rows x box_cols elements (by default one 128-byte row:
+    64 16-bit or 128 FP8 elements), 128-byte swizzle,
     elements outside the tensor read as zero. A descriptor depends on nothing but the address,
     shape, strides, dtype and box, so the last ones made are kept (the same buffers come back call
     after call: PyTorch's allocator reuses addresses)."""
+    box_cols = box_cols or 128 // t.element_size()
     key = (t.data_ptr(), t.shape, t.stride(), t.dtype, box_rows, box_cols)
     descriptor = _tensor_maps.get(key)
     if descriptor is None:

@@ -14,7 +14,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from .axes import ELEMENT_TYPES, TARGETS
+from .axes import ELEMENT_TYPES, OUTPUT_TYPES, TARGETS
 
 DTYPES = tuple(ELEMENT_TYPES)
 # Largest dynamic shared memory one block may opt in to, per target (flashgen.axes.TARGETS).
@@ -75,7 +75,10 @@ class KernelSpec:
     head_dim_v: d of v and of the output when it differs from q's (DeepSeek's 192 / 128, say); 0 = head_dim.
     block_m:    query rows per block (fwd, bwd_q) or per step (key-major backward); a multiple of 16.
     block_n:    key rows per step (fwd, bwd_q) or per block (key-major backward); a multiple of 16.
-    dtype:      "fp16" or "bf16" for q, k, v and o; accumulation is always fp32.
+    dtype:      "fp16" or "bf16" for q, k, v and o, or "e4m3" (FP8, Hopper forward) for q, k and v;
+                accumulation is always fp32.
+    out_dtype:  the output's type where it is not dtype's: "bf16" or "fp16" for an FP8 forward
+                ("" = dtype).
     causal:     bottom-right aligned causal mask (query i sees keys j <= i + Tk - Tq).
     num_warps:  warps per block.
     num_stages: tiles in flight in shared memory (2 or 3).
@@ -109,6 +112,7 @@ class KernelSpec:
     block_m: int = 128
     block_n: int = 64
     dtype: str = "bf16"
+    out_dtype: str = ""
     causal: bool = False
     num_warps: int = 4
     num_stages: int = 2
@@ -140,6 +144,13 @@ class KernelSpec:
             raise SpecError(f"exp2_fma={self.exp2_fma}: must be in [0, 8] (exponentials of every 8 on the FMA pipes)")
         if self.dtype not in DTYPES:
             raise SpecError(f"dtype={self.dtype!r}: must be one of {', '.join(DTYPES)}")
+        if self.out_dtype == self.dtype:  # one kernel, one name
+            object.__setattr__(self, "out_dtype", "")
+        if self.out_dtype and self.out_dtype not in OUTPUT_TYPES:
+            raise SpecError(f"out_dtype={self.out_dtype!r}: must be one of {', '.join(OUTPUT_TYPES)} (or \"\": dtype's)")
+        if not ELEMENT_TYPES[self.dtype].output and not self.out_dtype:
+            raise SpecError(f"dtype={self.dtype!r}: kernels do not write {self.dtype}; name the output's type "
+                            f"(out_dtype: one of {', '.join(OUTPUT_TYPES)})")
         for field in ("causal", "persistent", "varlen", "paged"):
             if not isinstance(getattr(self, field), bool):
                 raise SpecError(f"{field}={getattr(self, field)!r}: must be True or False")
@@ -166,6 +177,16 @@ class KernelSpec:
     def head_dim_pad(self) -> int:
         """head_dim rounded up to the mma k-step of 16; the pad columns are zero-filled."""
         return -(-self.head_dim // 16) * 16
+
+    @property
+    def element(self):
+        """q's, k's and v's element type (flashgen.axes.ElementType)."""
+        return ELEMENT_TYPES[self.dtype]
+
+    @property
+    def output_element(self):
+        """The output's element type."""
+        return ELEMENT_TYPES[self.out_dtype or self.dtype]
 
     @property
     def d_v(self) -> int:

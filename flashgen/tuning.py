@@ -277,6 +277,17 @@ def forward_spec(head_dim: int, dtype: str, causal: bool, arch: str, seqlen_q: i
     return mma_forward_spec(head_dim, dtype, causal, arch, seqlen_q, varlen, variant, head_dim_v)
 
 
+def fp8_forward_spec(head_dim: int, out_dtype: str, causal: bool, arch: str, variant: tuple[str, ...] = (),
+                     head_dim_v: int = 0) -> KernelSpec:
+    """The FP8 forward (e4m3 q, k, v; the output in out_dtype): the Hopper family at 128 x 128, the
+    tile its transposed V's one 128-byte row of keys fixes (sm_90a only)."""
+    from .families import family
+
+    family("fwd_sm90").check_arch("fwd_sm90", arch)
+    return KernelSpec(kind="fwd_sm90", head_dim=head_dim, head_dim_v=head_dim_v, dtype="e4m3", out_dtype=out_dtype, causal=causal,
+                      arch=arch, block_m=128, block_n=128, num_stages=2, **variant_fields(variant))
+
+
 def paged_forward_spec(head_dim: int, dtype: str, causal: bool, arch: str, seqlen_q: int, variant: tuple[str, ...] = (),
                        head_dim_v: int = 0) -> KernelSpec | None:
     """The Hopper forward over a paged cache (chunked prefill: packed queries whose longest sequence

@@ -33,7 +33,7 @@ def test_the_decode_kernel_is_a_dependent_launch_where_the_target_has_one(arch):
     assert ("griddepcontrol.wait" in render(decode)) == axes.TARGETS[arch].dependent_launch
 
 
-@pytest.mark.parametrize("dtype", list(axes.ELEMENT_TYPES))
+@pytest.mark.parametrize("dtype", axes.OUTPUT_TYPES)
 def test_a_kernel_stores_and_multiplies_its_element_type_as_the_table_says(dtype):
     element = axes.ELEMENT_TYPES[dtype]
     source = render(KernelSpec(head_dim=64, dtype=dtype, arch="sm_80"))

@@ -11,7 +11,7 @@ import dataclasses
 
 from .. import __version__, modifiers, variants
 from .. import axes
-from ..axes import ELEMENT_TYPES
+from ..axes import OUTPUT_TYPES
 from ..params import Params
 from ..smem import SmemLayout
 from ..spec import DEFAULTS, SMEM_LIMIT, KernelSpec, SpecError
@@ -23,6 +23,7 @@ NAME_PARTS = {
     "block_m": "m{}",
     "block_n": "n{}",
     "dtype": "{}",
+    "out_dtype": "o{}",  # or nothing when the output has dtype's type
     "causal": None,  # causal / full
     "num_warps": "w{}",
     "num_stages": "s{}",
@@ -78,9 +79,10 @@ class Family:
     kinds: tuple[str, ...] = ()
     template: str = ""
     # the spec fields the kernel's code depends on, and the variants (flashgen.variants) it builds
-    fields: tuple[str, ...] = (*(f for f in NAME_PARTS if f not in ("variants", "rotary", "paged")), *variants.EVERYWHERE)
+    fields: tuple[str, ...] = (*(f for f in NAME_PARTS if f not in ("variants", "rotary", "paged", "out_dtype")), *variants.EVERYWHERE)
     arguments: tuple[str, ...] = ()  # the launch's named arguments, from which parameters are computed
     forward = False  # a forward kernel: what attention() runs and `flashgen build` makes importable
+    dtypes: tuple[str, ...] = OUTPUT_TYPES  # the element types (flashgen.axes) its kernels take
     needs: tuple[str, ...] = ()  # the hardware its kernels use (flashgen.axes.Target's flags): it builds for the targets that have it
     needs_rule = False  # its specs carry a user rule's source (MaskMod), which only Python can give
     tune_space: dict[str, tuple] = {}  # the tile fields `flashgen tune` sweeps, and their values
@@ -110,6 +112,8 @@ class Family:
                     f"{field}={getattr(spec, field)!r}: a {spec.kind} kernel does not use {field} "
                     f"(leave it at its default, {default!r})"
                 )
+        if spec.dtype not in self.dtypes:
+            raise SpecError(f"dtype={spec.dtype!r}: a {spec.kind} kernel takes {', '.join(self.dtypes)}")
         unbuilt = [name for name in spec.variants if not variants.builds(self.fields, spec.kind, name)]
         if unbuilt:
             raise SpecError(f"variants={spec.variants!r}: a {spec.kind} kernel does not build {', '.join(unbuilt)}")
@@ -138,7 +142,7 @@ class Family:
                     parts += [field] if value else []
                 elif field == "variants":
                     parts += list(value)
-                elif field in ("exp2_fma", "head_dim_v"):
+                elif field in ("exp2_fma", "head_dim_v", "out_dtype"):
                     parts += [form.format(value)] if value else []
                 elif field == "rotary":
                     parts += [f"rope_{value}"] if value else []
@@ -188,9 +192,12 @@ class Family:
             "d_v": spec.d_v,  # V's head dim and the output's (head_dim unless the spec's head_dim_v says otherwise)
             "d_v_pad": spec.d_v_pad,
             "num_threads": self.threads(spec),
-            "ptx_type": ELEMENT_TYPES[spec.dtype].ptx,
-            "elem_bytes": ELEMENT_TYPES[spec.dtype].bytes,
-            "elem_storage": ELEMENT_TYPES[spec.dtype].storage,
+            "ptx_type": spec.element.ptx,
+            "elem_bytes": spec.element.bytes,
+            "elem_storage": spec.element.storage,
+            "fp8": spec.element.bytes == 1,
+            "out_ptx_type": spec.output_element.ptx,  # the output's (the element type's, but for FP8 inputs)
+            "out_storage": spec.output_element.storage,
             "wgmma": False,
             "params": self.params(spec).signature(),
             **{name: name in spec.variants for name in variants.FIELDS},  # each variant's flag (templates' hooks)

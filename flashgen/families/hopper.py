@@ -19,6 +19,9 @@ from .forward import PACKED, forward_outputs_and_sizes
 # Registers a consumer thread may hold in accumulators (S, O, and P packed), by consumer
 # warpgroups: setmaxnreg gives each 240 (two consumers) or 160 (three) registers.
 MAX_ACCUMULATORS = {2: 200, 3: 128}
+# ... with FP8 inputs, the variants' registers included (calibrated the same way: d = 256 at 128 x
+# 128, 208 of them, compiles without spills, and with a sink's 2 more; with a window's 8 it spilled)
+MAX_ACCUMULATORS_FP8 = {2: 210, 3: 128}
 # The same with each consumer's rows of Q held as S = Q K^T's register operand (a quarter of the
 # padded head dim a thread): calibrated on the CPU compile sweep (128 x 144 at d = 128 and 128 x 192
 # at d = 64 compile without spills, the next block_n up spills). Three consumers have no room.
@@ -80,11 +83,12 @@ class HopperForward(Family):
     kinds = ("fwd_sm90",)
     needs = HOPPER_NEEDS
     template = "attention_fwd_sm90.cu.j2"
-    fields = ("head_dim", "head_dim_v", "block_m", "block_n", "dtype", "causal", "num_stages", "arch", "persistent", "exp2_fma", "varlen",
-              "paged",
+    dtypes = ("fp16", "bf16", "e4m3")
+    fields = ("head_dim", "head_dim_v", "block_m", "block_n", "dtype", "out_dtype", "causal", "num_stages", "arch", "persistent",
+              "exp2_fma", "varlen", "paged",
               *variants.EVERYWHERE, "score_mod", "mask_mod")
     arguments = ("q", "k", "v", "o", "lse", "scale", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "block_table",
-                 "k_new", "v_new", "seqlen_new", *variants.ARGUMENTS)
+                 "k_new", "v_new", "seqlen_new", "q_descale", "k_descale", "v_descale", *variants.ARGUMENTS)
     forward = True
     tune_space = {"block_m": (128, 192), "block_n": (64, 80, 96, 112, 128, 144, 160, 176), "num_stages": (2, 3),
                   "persistent": (False, True)}
@@ -96,13 +100,17 @@ class HopperForward(Family):
 
     @staticmethod
     def head_dim_pad(spec: KernelSpec) -> int:
-        """Head dims are padded to whole 64-element (128-byte) chunks: one TMA box, one swizzle row."""
-        return -(-spec.head_dim // 64) * 64
+        """Head dims are padded to whole 128-byte chunks (64 16-bit or 128 FP8 elements): one TMA
+        box, one swizzle row."""
+        cols = spec.element.chunk_cols
+        return -(-spec.head_dim // cols) * cols
 
     @staticmethod
     def d_v_pad(spec: KernelSpec) -> int:
-        """V's and O's head dim, padded the same way."""
-        return -(-spec.d_v // 64) * 64
+        """V's and O's head dim, padded to O's 128-byte chunks (an FP8 forward's V is transposed:
+        its padded head dim is the rows of its tiles)."""
+        cols = spec.output_element.chunk_cols
+        return -(-spec.d_v // cols) * cols
 
     def check(self, spec: KernelSpec) -> None:
         if spec.block_m not in (128, 192):
@@ -112,6 +120,14 @@ class HopperForward(Family):
         if spec.num_stages not in (2, 3, 4):
             raise SpecError(f"num_stages={spec.num_stages}: must be one of (2, 3, 4)")
         check_rules_fixed_length(spec)
+        if spec.element.bytes == 1:
+            # FP8: V comes transposed (keys contiguous, the K-major operand wgmma needs for 8-bit
+            # types) in one 128-byte-swizzled box of 128 keys a tile; fixed-length sequences only
+            if spec.block_n != 128:
+                raise SpecError(f"dtype={spec.dtype!r}, block_n={spec.block_n}: an FP8 forward runs block_n=128 "
+                                "(one 128-byte row of transposed V a head-dim row)")
+            if spec.varlen or spec.paged:
+                raise SpecError(f"dtype={spec.dtype!r}: the FP8 forward takes fixed-length sequences (varlen=False, paged=False)")
         if spec.paged and not spec.varlen:
             raise SpecError("paged=True: the paged Hopper forward takes packed sequences (varlen=True)")
         if spec.paged and spec.block_m != 128:
@@ -120,11 +136,15 @@ class HopperForward(Family):
         if spec.varlen and spec.persistent:
             raise SpecError("varlen=True, persistent=True: the varlen Hopper forward runs one tile per CTA (persistent=False)")
         held = self.accumulators(spec)
-        limit = MAX_ACCUMULATORS[self.consumers(spec)] - (PAGED_GIVES if spec.paged else 0)
+        limit = (MAX_ACCUMULATORS_FP8 if spec.element.bytes == 1 else MAX_ACCUMULATORS)[self.consumers(spec)] - (PAGED_GIVES if spec.paged else 0)
+        if spec.element.bytes == 1:  # (FP8's limit is its plain kernel's: a variant's registers come on top)
+            held += sum(d.registers for d in variants.on(spec) if not d.rule)
         if held > limit:
+            fix = "(the FP8 forward's tile is 128 x 128: at this head dim, fewer variants)" if spec.element.bytes == 1 \
+                else "(use a smaller block_n)"
             raise SpecError(
-                f"block_m={spec.block_m}, block_n={spec.block_n}, {spec.dims_text}: each consumer thread "
-                f"would hold {held} registers of accumulators; at most {limit} fit (use a smaller block_n)"
+                f"block_m={spec.block_m}, block_n={spec.block_n}, {spec.dims_text}{''.join(f', {v}' for v in spec.variants)}: "
+                f"each consumer thread would hold {held} registers of accumulators; at most {limit} fit {fix}"
             )
         rules = [rule for rule in RULE_MARGINS if getattr(spec, rule)]
         if rules:
@@ -138,14 +158,14 @@ class HopperForward(Family):
                 )
 
     def accumulators(self, spec: KernelSpec) -> int:
-        """Registers a consumer thread holds in S, O and P (packed)."""
-        return spec.block_n // 2 + self.d_v_pad(spec) // 2 + spec.block_n // 4
+        """Registers a consumer thread holds in S, O and P (packed: 2 or 4 a register)."""
+        return spec.block_n // 2 + self.d_v_pad(spec) // 2 + spec.block_n * spec.element.bytes // 8
 
     def q_in_registers(self, spec: KernelSpec) -> bool:
         """Whether each consumer keeps its rows of Q in registers (a quarter of the padded head dim
         a thread) as S = Q K^T's register operand: where they fit beside the accumulators and what
         the variants take, and no user rule runs (its values live beside S)."""
-        if spec.score_mod or spec.mask_mod:
+        if spec.score_mod or spec.mask_mod or spec.element.bytes == 1:  # (FP8: Q's fragments are another layout)
             return False
         held = self.accumulators(spec) + self.head_dim_pad(spec) // 4 + sum(d.registers for d in variants.on(spec))
         return held <= MAX_WITH_Q[self.consumers(spec)] - (PAGED_GIVES if spec.paged else 0)
@@ -162,11 +182,12 @@ class HopperForward(Family):
 
     def smem(self, spec: KernelSpec) -> SmemLayout:
         # tiles of [rows][64] elements, 128 bytes a row: Q and K head_dim_pad / 64 of them, V and O d_v_pad / 64
-        chunks, v_chunks = self.head_dim_pad(spec) // 64, self.d_v_pad(spec) // 64
-        q_tile, o_tile = chunks * spec.block_m * 128, v_chunks * spec.block_m * 128
+        row_bytes = spec.element.bytes  # (a 128-byte chunk holds 128 // row_bytes elements of a row)
+        q_tile, o_tile = self.head_dim_pad(spec) * row_bytes * spec.block_m, self.d_v_pad(spec) * spec.output_element.bytes * spec.block_m
         rest = [
-            Region("k", spec.num_stages * chunks * spec.block_n * 128, align=1024),
-            Region("v", spec.num_stages * v_chunks * spec.block_n * 128, align=1024),
+            Region("k", spec.num_stages * self.head_dim_pad(spec) * row_bytes * spec.block_n, align=1024),
+            # V's tile: block_n rows of d_v_pad elements (FP8: d_v_pad rows of block_n keys), the same bytes
+            Region("v", spec.num_stages * self.d_v_pad(spec) * row_bytes * spec.block_n, align=1024),
             Region("bar", 8 * (2 + 4 * spec.num_stages), align=8),  # mbarriers
         ]
         if spec.persistent:
@@ -181,15 +202,21 @@ class HopperForward(Family):
         # `paged`, k and v are (num_pages, page_size, heads_kv, d) caches, seen as (pages, heads_kv,
         # page_size, d), page_rows rows a box.
         kv_view, kv_rows = ("{}.transpose(1, 2)", f"page_rows(k, {spec.block_n})") if spec.paged else ("{}", spec.block_n)
+        # FP8: v is V transposed, (B, H_kv, d_v, keys) with each 16 keys in the order P's registers
+        # hold them (flashgen.ops.fp8_values): one box of 128 keys by d_v_pad rows a tile
+        v_map = f"tensor_map(v, {self.d_v_pad(spec)}, 128)" if spec.element.bytes == 1 else f"tensor_map({kv_view.format('v')}, {kv_rows})"
         maps = [
             tensormap("q_map", f"tensor_map(q, {spec.block_m})"),
             tensormap("k_map", f"tensor_map({kv_view.format('k')}, {kv_rows})"),
-            tensormap("v_map", f"tensor_map({kv_view.format('v')}, {kv_rows})"),
+            tensormap("v_map", v_map),
             tensormap("o_map", "tensor_map(o, 64)"),
         ]
+        # FP8: the descales (fp32 (B, H_kv), contiguous; null: 1), FlashAttention-3's
+        descales = [pointer(name, "const float*", optional=True) for name in ("q_descale", "k_descale", "v_descale")] \
+            if spec.element.bytes == 1 else []
         if not spec.varlen:
             return Params(self.arguments, [
-                *maps, *forward_outputs_and_sizes(spec),
+                *maps, *descales, *forward_outputs_and_sizes(spec),
                 *([scalar("num_tiles", "int", self._tiles(spec))] if spec.persistent else []),
             ])
         # partial O tiles leave through plain clipped stores (o_ptr: `o` is the accumulator there)
@@ -233,7 +260,9 @@ class HopperForward(Family):
     def context(self, spec: KernelSpec) -> dict:
         registers = self.registers(spec)
         context = {**super().context(spec), "wgmma": True, "q_in_regs": self.q_in_registers(spec),
-                   "producer_regs": registers["producer"], "consumer_regs": registers["consumer"]}
+                   "producer_regs": registers["producer"], "consumer_regs": registers["consumer"],
+                   "head_dim_pad": self.head_dim_pad(spec), "d_v_pad": self.d_v_pad(spec),
+                   "chunk_cols": spec.element.chunk_cols, "mma_k": spec.element.mma_k}
         if spec.mask_mod:
             context.update(block_mask_lists(key_major=False))
         return context

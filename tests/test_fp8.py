@@ -1,0 +1,128 @@
+"""FP8 (e4m3) forward on the CPU: its specs, what their kernels hold (wgmma with e4m3 operands, P
+rounded to e4m3, no spills), transposed V's key order, and the call's errors. The GPU tier
+(tests/test_gpu_fp8.py) runs it against the oracle."""
+
+import re
+
+import pytest
+import torch
+
+import flashgen
+from flashgen import ops, tuning
+from flashgen.compile import compile_ptx, compile_source
+from flashgen.render import render
+from flashgen.spec import KernelSpec, SpecError
+from sweeps import sweep
+
+FP8_VARIANTS = [(), ("window",), ("softcap",), ("alibi",), ("sink",), ("window", "softcap", "alibi", "sink")]
+
+
+def fp8_specs():
+    """Every FP8 spec the tables pick on sm_90a: each head dim, both outputs, causal and not, the
+    variants (those that fit beside d = 256's accumulators)."""
+    specs = []
+    for head_dim in tuning.TEST_HEAD_DIMS:
+        for out in ("bf16", "fp16"):
+            for causal in (False, True):
+                for variant in FP8_VARIANTS if out == "bf16" else [()]:
+                    try:
+                        specs.append(tuning.fp8_forward_spec(head_dim, out, causal, "sm_90a", variant))
+                    except SpecError:
+                        assert head_dim == 256 and variant not in ((), ("sink",)), (head_dim, variant)
+    specs.append(tuning.fp8_forward_spec(192, "bf16", True, "sm_90a", head_dim_v=128))  # V's own head dim
+    return specs
+
+
+FP8_SPECS = fp8_specs()
+
+
+def test_fp8_specs_name_their_types_and_refuse_what_they_cannot_run():
+    spec = tuning.fp8_forward_spec(128, "bf16", True, "sm_90a", ("window",))
+    assert spec.name == "fwd_sm90_d128_m128_n128_e4m3_obf16_causal_s2_sm90a_window"
+    assert KernelSpec.from_json(spec.canonical()) == spec
+    with pytest.raises(SpecError, match="kernels do not write e4m3; name the output's type"):
+        spec.replace(out_dtype="")
+    with pytest.raises(SpecError, match="block_n=128"):
+        spec.replace(block_n=64)
+    with pytest.raises(SpecError, match="fixed-length sequences"):
+        spec.replace(varlen=True)
+    with pytest.raises(SpecError, match="a fwd kernel takes fp16, bf16"):
+        KernelSpec(head_dim=128, dtype="e4m3", out_dtype="bf16", arch="sm_90a")
+    with pytest.raises(SpecError, match="needs sm_90a"):
+        tuning.fp8_forward_spec(128, "bf16", True, "sm_80")
+    with pytest.raises(SpecError, match="at this head dim, fewer variants"):
+        tuning.fp8_forward_spec(256, "bf16", True, "sm_90a", ("window",))
+    assert KernelSpec(head_dim=64, kind="fwd_sm90", block_m=128, block_n=128, out_dtype="bf16").out_dtype == ""  # (bf16's own)
+
+
+@pytest.mark.parametrize("spec", sweep(FP8_SPECS))
+def test_fp8_spec_compiles_to_e4m3_wgmma_without_spills(spec):
+    source = render(spec)
+    binary = compile_source(spec, source)
+    res = binary.resources
+    assert res.spills == 0 and res.stack_frame == 0, binary.log
+    assert "serialized" not in binary.log and "setmaxnreg" not in binary.log, binary.log
+    ptx = compile_ptx(spec, source).decode()
+    d_v_pad = -(-spec.d_v // 64) * 64
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx  # S = Q K^T
+    assert f"wgmma.mma_async.sync.aligned.m64n{d_v_pad}k32.f32.e4m3.e4m3" in ptx  # O += P V, P from registers
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx  # P rounded to e4m3, saturating
+    assert f"cvt.rn.{spec.output_element.ptx}x2.f32" in ptx  # O in the output's type
+    assert not re.search(r"wgmma[^;]*\.(bf16|f16)\.", ptx)
+
+
+def test_transposed_v_holds_each_16_keys_in_the_order_p_registers_hold_them():
+    """Position 4 t + b of 16 keys holds key 2 t + b % 2 + 8 (b / 2); past the keys, zeros."""
+    assert ops.FP8_KEY_ORDER == (0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15)
+    v = torch.randn(2, 3, 37, 24).to(torch.float8_e4m3fn)
+    vt = ops.fp8_values(v)
+    assert vt.shape == (2, 3, 24, 48) and vt.dtype == torch.float8_e4m3fn and vt.is_contiguous()
+    padded = torch.cat([v.float(), torch.zeros(2, 3, 11, 24)], dim=2)
+    for position in range(48):
+        group, k = divmod(position, 16)
+        assert torch.equal(vt[:, :, :, position].float(), padded[:, :, 16 * group + ops.FP8_KEY_ORDER[k]])
+
+
+def fp8(*shape):
+    return torch.randn(*shape).to(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("changes, error, message", [
+    (dict(k=torch.randn(2, 2, 37, 64, dtype=torch.bfloat16)), TypeError, r"k has dtype torch.bfloat16; with FP8 inputs"),
+    (dict(q_descale=torch.ones(2, 4)), ValueError, r"q_descale must be float32 of shape \(batch, heads_kv\) = \(2, 2\)"),
+    (dict(v_descale=torch.ones(2, 2, dtype=torch.float64)), ValueError, r"v_descale must be float32"),
+    (dict(out_dtype=torch.float32), TypeError, r"out_dtype=torch.float32: the output of an FP8 forward is"),
+    (dict(v=fp8(2, 2, 36, 64)), ValueError, r"k and v must have the same sequence length"),
+])
+def test_fp8_input_errors_are_named(changes, error, message):
+    arguments = {"q": fp8(2, 4, 40, 64), "k": fp8(2, 2, 37, 64), "v": fp8(2, 2, 37, 64), **changes}
+    with pytest.raises(error, match=message):
+        flashgen.attention(**arguments)
+
+
+def test_fp8_arguments_with_16_bit_inputs_are_refused():
+    q = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="q_descale, k_descale, v_descale and out_dtype are for FP8 inputs"):
+        flashgen.attention(q, q, q, out_dtype=torch.float16)
+
+
+def test_fp8_with_gradients_is_refused_by_name(monkeypatch):
+    """Forward-only, as FlashAttention-3's: inputs (or a sink) that require grad are refused while
+    grad mode is on (the device check is passed by a stub: the CPU has no GPU)."""
+    from flashgen import inputs
+
+    monkeypatch.setattr(inputs, "on_one_cuda_device", lambda *args: None)
+    q, k, v = fp8(1, 2, 8, 64), fp8(1, 2, 8, 64), fp8(1, 2, 8, 64)
+    with pytest.raises(RuntimeError, match="q requires grad: FP8 attention is forward-only"):
+        flashgen.attention(q.requires_grad_(), k, v)
+    with pytest.raises(RuntimeError, match="learnable_sink requires grad: FP8 attention is forward-only"):
+        flashgen.attention(q.detach(), k, v, learnable_sink=torch.zeros(2, requires_grad=True))
+
+
+def test_autocast_leaves_fp8_inputs_as_they_are(monkeypatch):
+    """FP8 inputs are quantized already (with their descales): autocast casts the others only."""
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda device: True)
+    monkeypatch.setattr(torch, "get_autocast_dtype", lambda device: torch.bfloat16)
+    q, x = fp8(1, 2, 8, 64), torch.randn(1, 2, 8, 64)
+    cast = ops.autocast_inputs(q, x, q)
+    assert cast[0] is q and cast[2] is q and cast[1].dtype == torch.bfloat16
