@@ -1,0 +1,129 @@
+"""GPU tier: the FP8 (e4m3) forward against the fp32 oracle on the dequantized inputs, by the FP8
+numerics rule (README): its error is at most 1.5x that of the same computation in PyTorch, bf16
+inputs' products in fp32 with P rounded to e4m3 the way the kernel rounds it (2^8 above the row's
+max), on standard normal inputs and on inputs with 0.1 % outliers of 10x (FlashAttention-3's
+test). The RMSEs are printed for BENCHMARKS.md."""
+
+import math
+
+import pytest
+import torch
+
+import flashgen
+from flashgen import plans, reference
+
+pytestmark = pytest.mark.gpu
+E4M3 = torch.float8_e4m3fn
+
+
+def needs_hopper():
+    if plans.device_arch(0) != "sm_90a":
+        pytest.skip("the FP8 forward runs on sm_90a")
+
+
+def quantized(x, kv_heads):
+    """x (B, H, T, d) in e4m3 with a descale per batch and KV head (FlashAttention-3's (B, H_kv)):
+    each group's largest magnitude maps to e4m3's 448."""
+    batch, heads, seqlen, dim = x.shape
+    groups = x.float().reshape(batch, kv_heads, heads // kv_heads * seqlen * dim)
+    descale = (groups.abs().amax(-1) / 448.0).clamp_min(1e-12)
+    scaled = (groups / descale[..., None]).reshape(x.shape)
+    return scaled.to(E4M3), descale.contiguous()
+
+
+def problem(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, head_dim_v=None, outliers=False, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    shapes = ((batch, heads, seqlen_q, head_dim), (batch, kv_heads, seqlen_k, head_dim),
+              (batch, kv_heads, seqlen_k, head_dim_v or head_dim))
+    tensors = []
+    for shape in shapes:
+        x = torch.randn(shape, device="cuda", generator=gen)
+        if outliers:  # 0.1 % of the entries 10x larger
+            x = torch.where(torch.rand(shape, device="cuda", generator=gen) < 1e-3, x * 10, x)
+        tensors.append(quantized(x, kv_heads))
+    (q, qd), (k, kd), (v, vd) = tensors
+    return q, k, v, qd, kd, vd
+
+
+def emulated(q, k, v, qd, kd, vd, causal):
+    """The same computation in PyTorch: dequantized inputs in bf16, products accumulated in fp32,
+    P = 2^8 exp(s - m) rounded to e4m3 for P V, divided by the unrounded sum."""
+    group = q.shape[1] // k.shape[1]
+
+    def deq(x, descale, repeat):  # a head's descale is its KV head's; k and v repeated over the group
+        x = (x.float() * descale.repeat_interleave(x.shape[1] // descale.shape[1], dim=1)[:, :, None, None])
+        return x.to(torch.bfloat16).float().repeat_interleave(repeat, dim=1)
+
+    qf, kf, vf = deq(q, qd, 1), deq(k, kd, group), deq(v, vd, group)
+    s = qf @ kf.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        tq, tk = s.shape[-2:]
+        s = s.masked_fill(torch.ones(tq, tk, dtype=torch.bool, device=s.device).triu(tk - tq + 1), -math.inf)
+    m = s.amax(-1, keepdim=True).clamp_min(-1e30)
+    e = torch.exp(s - m) * 256.0
+    p8 = e.to(E4M3).float()
+    return ((p8 @ vf) / e.sum(-1, keepdim=True)).to(torch.bfloat16)
+
+
+def rmse(a, b):
+    return (a.float() - b.float()).pow(2).mean().sqrt().item()
+
+
+@pytest.mark.parametrize("outliers", [False, True], ids=["normal", "outliers"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [(2, 8, 2, 1000, 1000, 128), (1, 4, 4, 333, 1500, 64), (1, 4, 1, 700, 700, 256),
+                                   (1, 4, 2, 500, 500, 192, 128)], ids=["gqa-d128", "d64-tq<tk", "mqa-d256", "d192-v128"])
+def test_fp8_forward_by_the_numerics_rule(shape, causal, outliers):
+    needs_hopper()
+    q, k, v, qd, kd, vd = problem(*shape, outliers=outliers, seed=len(shape) + causal)
+    with torch.no_grad():
+        out, lse = flashgen.attention(q, k, v, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, return_lse=True)
+    ref, ref_lse = reference.naive_attention(q, k, v, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd,
+                                             out_dtype=torch.float32, return_lse=True)
+    emu = emulated(q, k, v, qd, kd, vd, causal)
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    err, emu_err = rmse(out, ref), rmse(emu, ref)
+    print(f"FP8 RMSE {shape} causal={causal} outliers={outliers}: flashgen {err:.3e}, PyTorch emulation {emu_err:.3e}")
+    assert err <= 1.5 * emu_err, (err, emu_err)
+    visible = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), visible)
+    torch.testing.assert_close(lse[visible], ref_lse[visible], atol=2e-3, rtol=0)
+
+
+def test_fp8_without_descales_and_with_an_fp16_output():
+    needs_hopper()
+    q, k, v, _, _, _ = problem(1, 4, 4, 300, 300, 128, seed=3)
+    with torch.no_grad():
+        out = flashgen.attention(q, k, v, causal=True, out_dtype=torch.float16)
+    ref = reference.naive_attention(q, k, v, causal=True, out_dtype=torch.float32)
+    ones = torch.ones(1, 4, device="cuda")
+    emu = emulated(q, k, v, ones, ones, ones, True)
+    assert out.dtype == torch.float16
+    assert rmse(out, ref) <= 1.5 * rmse(emu, ref)
+
+
+@pytest.mark.parametrize("options", [dict(window_size=(200, 0)), dict(softcap=30.0), dict(alibi_slopes="slopes"),
+                                     dict(learnable_sink="sink")], ids=["window", "softcap", "alibi", "sink"])
+def test_fp8_variants_against_the_oracle(options):
+    """The variants on the FP8 kernel (the emulation above has none): within 1.5x the plain
+    problem's emulated error of the oracle with the variant, a bound a broken variant misses by far."""
+    needs_hopper()
+    q, k, v, qd, kd, vd = problem(1, 8, 2, 900, 900, 128, seed=7)
+    if options.get("alibi_slopes") == "slopes":
+        options["alibi_slopes"] = torch.linspace(0.01, 0.1, 8, device="cuda")
+    if options.get("learnable_sink") == "sink":
+        options["learnable_sink"] = torch.linspace(-1.0, 3.0, 8, device="cuda")
+    with torch.no_grad():
+        out = flashgen.attention(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, **options)
+    ref = reference.naive_attention(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, out_dtype=torch.float32,
+                                    **options)
+    plain = reference.naive_attention(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, out_dtype=torch.float32)
+    bound = 1.5 * rmse(emulated(q, k, v, qd, kd, vd, True), plain)
+    assert rmse(out, ref) <= bound, (rmse(out, ref), bound)
+
+
+def test_fp8_refuses_gradients():
+    needs_hopper()
+    q, k, v, qd, kd, vd = problem(1, 2, 2, 64, 64, 64)
+    with pytest.raises(RuntimeError, match="FP8 attention is forward-only"):
+        flashgen.attention(q.requires_grad_(), k, v)
