@@ -2,7 +2,7 @@
 each over 8k keys, 16-token pages, causal, d = 128: at least 0.9x the same problem over packed
 keys). Both through attention_varlen, timed A B A B in one process (packed, paged, packed, paged);
 the pages are shuffled. Also page sizes 32, 64 and 256, the kernel each path ran, and for the page
-sizes the producer gathers with cp.async (hopper.GATHER_PAGES) the same pages through TMA boxes.
+sizes the producer can gather with cp.async (hopper.GATHERABLE) the gathers and TMA boxes side by side.
 
     PYTHONPATH=. python3 .ci/bench_paged_prefill.py [--head-dim 128] [--heads 16] [--kv-heads 16]
 """
@@ -33,7 +33,7 @@ def main():
     flops = 4 * batch * args.heads * d * (chunk * keys - chunk * chunk / 2)  # causal, bottom-right: each row's visible keys
     rows = ["| page | loads | packed ms | paged ms | paged / packed speed (two rounds) | paged TFLOPS | kernel |",
             "|---|---|---|---|---|---|---|"]
-    gathered = hopper.GATHER_PAGES
+    gathered = getattr(hopper, "GATHERABLE", None) or hopper.GATHER_PAGES  # (trees before GATHERABLE gathered by default)
     pages = [int(page) for page in args.pages.split(",")]
     for page, loads in [(page, loads) for page in pages for loads in (("gather", "tma") if page in gathered else ("tma",))]:
         hopper.GATHER_PAGES = gathered if loads == "gather" else ()

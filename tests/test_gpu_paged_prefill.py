@@ -52,6 +52,7 @@ def test_small_pages_gathered_as_tma_would_load_them(shape, page_size, monkeypat
 
     heads, kv_heads, head_dim = shape
     problem = PagedVarlen(*LONG, heads, kv_heads, head_dim, page_size, seed=page_size + head_dim)
+    monkeypatch.setattr(hopper, "GATHER_PAGES", hopper.GATHERABLE)
     gathered = problem.run(causal=True)
     monkeypatch.setattr(hopper, "GATHER_PAGES", ())  # every page size through TMA
     tma = problem.run(causal=True)

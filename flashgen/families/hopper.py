@@ -51,10 +51,14 @@ def page_rows(cache, block_n: int) -> int:
     return math.gcd(cache.shape[1], block_n)
 
 
-# Page sizes the paged forward gathers with the producer warpgroup's cp.async instead of TMA: with
-# TMA boxes of 16 rows the tensor pipe idled half the time. (Both are powers of two, and a key tile
-# holds whole pages of them, which keeps the gather's page arithmetic to shifts and masks.)
-GATHER_PAGES = (16, 32)
+# Page sizes the paged forward gathers with the producer warpgroup's cp.async instead of TMA boxes
+# (16 and 32 can: powers of two whose whole pages a key tile holds, which keeps the gather's page
+# arithmetic to shifts and masks). None by default: on an H100 (29th session, d = 128, 16-row
+# pages) the gathers reached 0.68-0.72x packed keys against TMA's 0.73-0.76x; the gathers of
+# cdc059d (one multiply-add a row) and TMA from four warps (d204134) are not measured yet
+# (.ci/gx_experiment.sh times them side by side).
+GATHER_PAGES: tuple[int, ...] = ()
+GATHERABLE = (16, 32)
 
 
 def page_gather(cache, block_n: int) -> int:
