@@ -141,7 +141,28 @@ def fp8_values(v: torch.Tensor) -> torch.Tensor:
 def fp8_forward(q, k, v, q_descale, k_descale, v_descale, causal: bool, scale: float, out_dtype: torch.dtype,
                 need_lse: bool, variant: tuple):
     """(o, lse) of an FP8 forward (e4m3 q, k, v of flashgen.attention's layout, checked; descales
-    fp32 (B, H_kv) or None): o in out_dtype with V's head dim, lse (B, H, Tq) fp32 or None."""
+    fp32 (B, H_kv) or None): o in out_dtype with V's head dim, lse (B, H, Tq) fp32 or None.
+    Through the custom op when torch.compile traces the call (lse then always computed)."""
+    if torch.compiler.is_compiling():
+        return attention_fp8(q, k, v, q_descale, k_descale, v_descale, causal, scale, out_dtype, *(variant or PLAIN_ARGS))
+    return _fp8_forward_impl(q, k, v, q_descale, k_descale, v_descale, causal, scale, out_dtype, need_lse, variant)
+
+
+@torch.library.custom_op("flashgen::attention_fp8", mutates_args=(), device_types="cuda", schema=(
+    "(Tensor q, Tensor k, Tensor v, Tensor? q_descale, Tensor? k_descale, Tensor? v_descale, bool causal, float scale, "
+    f"ScalarType out_dtype, {variants.OP_SCHEMA}) -> (Tensor, Tensor)"))
+def attention_fp8(q, k, v, q_descale, k_descale, v_descale, causal, scale, out_dtype, *variant):
+    """(o, lse) of the FP8 forward as one op (what torch.compile records); `variant`: VARIANT_ARGS."""
+    return _fp8_forward_impl(q, k, v, q_descale, k_descale, v_descale, causal, scale, out_dtype, True, variant)
+
+
+@attention_fp8.register_fake
+def _attention_fp8_fake(q, k, v, q_descale, k_descale, v_descale, causal, scale, out_dtype, *variant):
+    return q.new_empty((*q.shape[:3], v.shape[-1]), dtype=out_dtype), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+def _fp8_forward_impl(q, k, v, q_descale, k_descale, v_descale, causal: bool, scale: float, out_dtype: torch.dtype,
+                      need_lse: bool, variant: tuple):
     batch, heads, seqlen_q, head_dim = q.shape
     o = q.new_empty((batch, heads, seqlen_q, v.shape[-1]), dtype=out_dtype)
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device) if need_lse else None

@@ -126,3 +126,16 @@ def test_autocast_leaves_fp8_inputs_as_they_are(monkeypatch):
     q, x = fp8(1, 2, 8, 64), torch.randn(1, 2, 8, 64)
     cast = ops.autocast_inputs(q, x, q)
     assert cast[0] is q and cast[2] is q and cast[1].dtype == torch.bfloat16
+
+
+def test_fp8_forward_is_one_custom_op_for_torch_compile():
+    """What torch.compile records: flashgen::attention_fp8, whose fake gives the output in out_dtype
+    with V's head dim and the (B, H, Tq) lse."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    assert hasattr(torch.ops.flashgen, "attention_fp8")
+    with FakeTensorMode():
+        q, k, v = (torch.empty(2, 4, 9, 64, dtype=torch.float8_e4m3fn), torch.empty(2, 2, 7, 64, dtype=torch.float8_e4m3fn),
+                   torch.empty(2, 2, 7, 32, dtype=torch.float8_e4m3fn))
+        o, lse = ops._attention_fp8_fake(q, k, v, None, None, None, True, 0.125, torch.float16)
+    assert (o.shape, o.dtype, lse.shape, lse.dtype) == ((2, 4, 9, 32), torch.float16, (2, 4, 9), torch.float32)

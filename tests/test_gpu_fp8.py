@@ -127,3 +127,11 @@ def test_fp8_refuses_gradients():
     q, k, v, qd, kd, vd = problem(1, 2, 2, 64, 64, 64)
     with pytest.raises(RuntimeError, match="FP8 attention is forward-only"):
         flashgen.attention(q.requires_grad_(), k, v)
+
+
+def test_fp8_under_torch_compile_matches_eager():
+    needs_hopper()
+    q, k, v, qd, kd, vd = problem(1, 4, 2, 256, 256, 128, seed=11)
+    run = lambda q, k, v: flashgen.attention(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)  # noqa: E731
+    with torch.no_grad():
+        assert torch.equal(torch.compile(run, fullgraph=True)(q, k, v), run(q, k, v))
