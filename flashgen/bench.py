@@ -389,6 +389,78 @@ def run(head_dims=HEAD_DIMS, seqlens=SEQLENS, modes=tuple(MODES), json_path=None
     return report
 
 
+# ---- flashgen bench --dtype fp8 -------------------------------------------------------------------
+
+FP8_HEAD_DIMS = (64, 128, 256)
+
+
+def fp8_matmul_tflops(size: int = 8192) -> float:
+    """The GPU's measured FP8 matrix-product rate: torch._scaled_mm on size^3 e4m3 operands (the
+    ceiling an FP8 attention forward is held against), in TFLOPS."""
+    a = torch.randn(size, size, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(size, size, device="cuda").to(torch.float8_e4m3fn).t()  # (column-major, as _scaled_mm takes it)
+    one = torch.ones((), device="cuda")
+    ms = time_ms(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+    return 2 * size**3 / ms / 1e9
+
+
+def fp8_rows(head_dims=FP8_HEAD_DIMS, seqlens=SEQLENS, causals=(False, True)) -> list[dict]:
+    """Forward TFLOPS of flashgen's FP8 kernel beside its bf16 one and SDPA's cuDNN bf16 backend on
+    the same problem (the bf16 inputs quantized per batch and KV head, FlashAttention-3's descales)."""
+    import torch.nn.functional as F
+
+    from . import attention
+
+    def quantized(x):
+        descale = x.float().abs().amax(dim=(2, 3)).clamp_min(1e-12) / 448.0
+        return (x.float() / descale[:, :, None, None]).to(torch.float8_e4m3fn), descale.contiguous()
+
+    cudnn = sdpa_backends()["cudnn"]
+    rows = []
+    for head_dim in head_dims:
+        for seqlen in seqlens:
+            q, k, v = _inputs(seqlen, head_dim)
+            (q8, qd), (k8, kd), (v8, vd) = quantized(q), quantized(k), quantized(v)
+            for causal in causals:
+                flops = forward_flops(q.shape[0], q.shape[1], seqlen, seqlen, head_dim, causal)
+                with torch.no_grad():
+                    times = {
+                        "fp8": time_ms(lambda: attention(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)),
+                        "bf16": time_ms(lambda: attention(q, k, v, causal=causal)),
+                    }
+                    try:
+                        with cudnn():
+                            times["cudnn"] = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+                    except RuntimeError:  # cuDNN does not take the shape
+                        times["cudnn"] = float("nan")
+                rows.append({"d": head_dim, "T": seqlen, "causal": causal,
+                             **{name: flops / ms / 1e9 for name, ms in times.items()}})
+    return rows
+
+
+def run_fp8(head_dims=FP8_HEAD_DIMS, seqlens=SEQLENS, json_path=None, console=None) -> dict:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    if not torch.cuda.is_available():
+        raise RuntimeError("flashgen bench needs an NVIDIA GPU: PyTorch sees none on this machine")
+    report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+              "fp8_matmul_tflops": fp8_matmul_tflops(), "rows": fp8_rows(head_dims, seqlens)}
+    out = Table(title=f"forward TFLOPS, FP8 e4m3 (bf16 output) beside bf16, {report['gpu']} (B*T=16k)")
+    for column in ("d", "T", "causal", "flashgen fp8", "flashgen bf16", "cuDNN bf16", "fp8 / cuDNN", "fp8 / matmul"):
+        out.add_column(column, justify="right")
+    for row in report["rows"]:
+        out.add_row(str(row["d"]), str(row["T"]), "yes" if row["causal"] else "no", f"{row['fp8']:.0f}", f"{row['bf16']:.0f}",
+                    f"{row['cudnn']:.0f}", _ratio(row["fp8"], row["cudnn"]), f"{row['fp8'] / report['fp8_matmul_tflops']:.2f}")
+    console.print(out)
+    console.print(f"FP8 matrix products on this GPU (torch._scaled_mm, 8192^3): {report['fp8_matmul_tflops']:.0f} TFLOPS")
+    if json_path:
+        with open(json_path, "w") as file:
+            json.dump(report, file, indent=2)
+    return report
+
+
 # ---- flashgen bench --varlen ----------------------------------------------------------------------
 
 VARLEN_SEQUENCES, VARLEN_SHORTEST, VARLEN_LONGEST = 16, 128, 4096

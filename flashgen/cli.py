@@ -376,12 +376,25 @@ def show(resources, **options):
                                                "4096 at T=16k against its tile fraction of causal, next to FlexAttention, "
                                                "and the first-use (compile) costs")
 @click.option("--no-flex", is_flag=True, help="with --variants: leave FlexAttention out")
-def bench(head_dims, seqlens, modes, json_path, markdown_path, plot_path, varlen, decode, variants, no_flex):
+@click.option("--dtype", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True,
+              help="fp8: the FP8 (e4m3) forward beside flashgen's bf16 one and SDPA's cuDNN bf16, and the GPU's "
+                   "FP8 matrix-product rate (--d defaults to 64,128,256 then)")
+def bench(head_dims, seqlens, modes, json_path, markdown_path, plot_path, varlen, decode, variants, no_flex, dtype):
     """flashgen next to SDPA's FLASH, CUDNN and EFFICIENT backends, in TFLOPS."""
     from . import bench as benchmark
 
-    if varlen + decode + variants > 1:
-        _fail(click.UsageError("--varlen, --decode and --variants are separate benchmarks: ask for one"))
+    if varlen + decode + variants + (dtype == "fp8") > 1:
+        _fail(click.UsageError("--varlen, --decode, --variants and --dtype fp8 are separate benchmarks: ask for one"))
+    if dtype == "fp8":
+        if plot_path or markdown_path:
+            _fail(click.UsageError("--dtype fp8 prints its table (and --json): no --plot or --markdown"))
+        given = click.get_current_context().get_parameter_source("head_dims") != click.core.ParameterSource.DEFAULT
+        try:
+            benchmark.run_fp8(head_dims=head_dims if given else benchmark.FP8_HEAD_DIMS, seqlens=seqlens, json_path=json_path,
+                              console=console)
+        except RuntimeError as error:
+            _fail(error)
+        return
     if no_flex and not variants:
         _fail(click.UsageError("--no-flex goes with --variants"))
     if variants:

@@ -139,3 +139,20 @@ def test_fp8_forward_is_one_custom_op_for_torch_compile():
                    torch.empty(2, 2, 7, 32, dtype=torch.float8_e4m3fn))
         o, lse = ops._attention_fp8_fake(q, k, v, None, None, None, True, 0.125, torch.float16)
     assert (o.shape, o.dtype, lse.shape, lse.dtype) == ((2, 4, 9, 32), torch.float16, (2, 4, 9), torch.float32)
+
+
+def test_bench_dtype_fp8_is_a_benchmark_of_its_own(monkeypatch):
+    """`flashgen bench --dtype fp8` times the FP8 forward (at d = 64, 128, 256 unless --d says) and
+    goes with no other benchmark; without a GPU it says so."""
+    from click.testing import CliRunner
+
+    from flashgen import bench, cli
+
+    asked = {}
+    monkeypatch.setattr(bench, "run_fp8", lambda **kw: asked.update(kw) or {})
+    assert CliRunner().invoke(cli.main, ["bench", "--dtype", "fp8"]).exit_code == 0
+    assert asked["head_dims"] == (64, 128, 256)
+    assert CliRunner().invoke(cli.main, ["bench", "--dtype", "fp8", "--d", "128"]).exit_code == 0
+    assert tuple(asked["head_dims"]) == (128,)
+    result = CliRunner().invoke(cli.main, ["bench", "--dtype", "fp8", "--decode"])
+    assert result.exit_code != 0 and "separate benchmarks" in result.output
