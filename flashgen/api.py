@@ -124,6 +124,20 @@ def _with_neutral(spec: KernelSpec, chosen: variants.Variant, call: variants.Cal
     return variants.Variant({**chosen.args, **neutral}) if neutral else chosen
 
 
+def _prebuilt(spec: KernelSpec, q, k, v, causal, chosen: variants.Variant, given: dict, dtypes: dict) -> variants.Variant:
+    """The variant a prebuilt kernel runs a call with, once the call is one it was built for (its
+    head dims, element type and variants; `dtypes` maps torch's to the spec's)."""
+    if q.shape[-1] != spec.head_dim or v.shape[-1] != spec.d_v or dtypes[q.dtype] != spec.dtype:
+        shape = f"head_dim={q.shape[-1]}" + (f", head_dim_v={v.shape[-1]}" if v.shape[-1] != q.shape[-1] else "")
+        raise ValueError(f"{spec.name} takes {spec.dims_text} {spec.dtype}; got {shape} {dtypes[q.dtype]}")
+    chosen = _with_neutral(spec, chosen, variants.Call(causal, q.shape[0], q.shape[1], q.device, k.shape[-2]), given)
+    have = {d.name: getattr(spec, d.name) if d.rule else True for d in variants.on(spec)}
+    wanted = dict(item if isinstance(item, tuple) else (item, True) for item in chosen.fields)
+    if have != wanted:
+        raise ValueError(f"{spec.name} is built for variants {sorted(have) or 'none'}; this call asks for {sorted(wanted) or 'none'}")
+    return chosen
+
+
 def call(q, k, v, causal, scale, return_lse, deterministic, spec: KernelSpec | None = None, *,
          window_size=(-1, -1), softcap=0.0, alibi_slopes=None, learnable_sink=None, score_mod=None, mask_mod=None,
          q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
@@ -143,16 +157,7 @@ def call(q, k, v, causal, scale, return_lse, deterministic, spec: KernelSpec | N
         chosen = call_variant(q, k, causal, **given)
     kernel = ""
     if spec is not None:
-        if q.shape[-1] != spec.head_dim or v.shape[-1] != spec.d_v or DTYPES[q.dtype] != spec.dtype:
-            given = f"head_dim={q.shape[-1]}" + (f", head_dim_v={v.shape[-1]}" if v.shape[-1] != q.shape[-1] else "")
-            raise ValueError(f"{spec.name} takes {spec.dims_text} {spec.dtype}; got {given} {DTYPES[q.dtype]}")
-        chosen = _with_neutral(spec, chosen, variants.Call(causal, q.shape[0], q.shape[1], q.device, k.shape[-2]), given)
-        have = {d.name: getattr(spec, d.name) if d.rule else True for d in variants.on(spec)}
-        wanted = dict(item if isinstance(item, tuple) else (item, True) for item in chosen.fields)
-        if have != wanted:
-            raise ValueError(
-                f"{spec.name} is built for variants {sorted(have) or 'none'}; this call asks for {sorted(wanted) or 'none'}"
-            )
+        chosen = _prebuilt(spec, q, k, v, causal, chosen, given, DTYPES)
         kernel = spec.canonical()
     o, lse = ops.attention(q, k, v, None, None, 0, 0, bool(causal), softmax_scale(scale, q.shape[-1]), kernel,
                            bool(deterministic), need_lse=bool(return_lse), variant=chosen.op_args())
@@ -172,21 +177,28 @@ def _fp8_call(q, k, v, causal, scale, return_lse, spec, q_descale, k_descale, v_
     inputs.query_groups(q.shape[1], k.shape[1])
     inputs.same("sequence length", {"k": k.shape[2], "v": v.shape[2]})
     inputs.head_dims(q.shape[3], k.shape[3], v.shape[3])
-    out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
+    if out_dtype is None:  # bf16, or what a prebuilt kernel writes
+        out_dtype = torch.bfloat16 if spec is None else getattr(torch, spec.output_element.torch)
     inputs.fp8(named, {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}, out_dtype,
                q.shape[0], k.shape[1])
     inputs.last_dim_contiguous(named)
     inputs.on_one_cuda_device("attention", {**named, "q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale})
-    if spec is not None:
-        raise ValueError("FP8 attention runs the kernel the tables pick (no prebuilt spec yet)")
     learning = [name for name, value in keywords.items() if isinstance(value, torch.Tensor) and value.requires_grad]
     if learning and torch.is_grad_enabled():
         raise RuntimeError(f"{inputs.listed(learning)} require{'s' if len(learning) == 1 else ''} grad: FP8 attention is "
                            "forward-only (as FlashAttention-3's); run it under torch.no_grad()")
     chosen = variants.PLAIN
     if (keywords["alibi_slopes"] is not None or keywords["softcap"] or tuple(keywords["window_size"]) != (-1, -1)
-            or keywords["learnable_sink"] is not None or keywords["score_mod"] is not None or keywords["mask_mod"] is not None):
+            or keywords["learnable_sink"] is not None or keywords["score_mod"] is not None or keywords["mask_mod"] is not None
+            or spec is not None):
         chosen = call_variant(q, k, causal, **keywords)
+    kernel = ""
+    if spec is not None:  # a prebuilt FP8 kernel: its output type too
+        chosen = _prebuilt(spec, q, k, v, causal, chosen, keywords, FP8_DTYPES)
+        built_for = getattr(torch, spec.output_element.torch)
+        if out_dtype != built_for:
+            raise ValueError(f"{spec.name} writes {built_for}; this call asks for out_dtype={out_dtype}")
+        kernel = spec.canonical()
     o, lse = ops.fp8_forward(q, k, v, q_descale, k_descale, v_descale, bool(causal), softmax_scale(scale, q.shape[-1]),
-                             out_dtype, bool(return_lse), chosen.op_args())
+                             out_dtype, bool(return_lse), chosen.op_args(), kernel)
     return (o, lse) if return_lse else o

@@ -41,19 +41,23 @@ def _ints(ctx, param, value):
     return numbers
 
 
-def _words(choices):
+def _words(choices, both=None):
+    """A comma list of `choices`; "both" stands for the two in `both` (by default the choices, when
+    there are two)."""
+    both = both or (choices if len(choices) == 2 else None)
+
     def parse(ctx, param, value):
         if value is None:
             return None
         words = [w.strip() for w in str(value).split(",")]
         expanded = []
         for word in words:
-            if word == "both" and len(choices) == 2:
-                expanded += list(choices)
+            if word == "both" and both:
+                expanded += list(both)
             elif word in choices:
                 expanded.append(word)
             else:
-                allowed = ", ".join([*choices, "both"] if len(choices) == 2 else choices)
+                allowed = ", ".join([*choices, "both"] if both else choices)
                 raise click.BadParameter(f"{word!r}: must be one of {allowed}")
         return list(dict.fromkeys(expanded))
 
@@ -74,7 +78,9 @@ def spec_options(multiple: bool):
             click.option("--warps", "warps", callback=_ints, help=f"warps per block{many}; default: tuned"),
             click.option("--stages", "stages", callback=_ints, help=f"key/value tiles in flight{many}; default: tuned"),
             click.option("--dtype", "dtypes", default="bf16", show_default=True,
-                         callback=_words(("fp16", "bf16")), help="fp16, bf16 or both"),
+                         callback=_words(("fp16", "bf16", "e4m3"), both=("fp16", "bf16")),
+                         help="fp16, bf16, both, or e4m3 (FP8 inputs of attention: its forward, for each output type); "
+                              "a comma list"),
             click.option("--causal", "causal", is_flag=False, flag_value="yes", default="no", show_default=True,
                          callback=_words(("yes", "no")), help="causal mask: yes (bare --causal), no or both"),
             click.option("--no-causal", "no_causal", is_flag=True, help="same as --causal no"),

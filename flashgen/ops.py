@@ -139,30 +139,32 @@ def fp8_values(v: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_forward(q, k, v, q_descale, k_descale, v_descale, causal: bool, scale: float, out_dtype: torch.dtype,
-                need_lse: bool, variant: tuple):
+                need_lse: bool, variant: tuple, kernel: str = ""):
     """(o, lse) of an FP8 forward (e4m3 q, k, v of flashgen.attention's layout, checked; descales
     fp32 (B, H_kv) or None): o in out_dtype with V's head dim, lse (B, H, Tq) fp32 or None.
-    Through the custom op when torch.compile traces the call (lse then always computed)."""
+    `kernel`: the canonical text of the spec to run ("" = the tables' choice). Through the custom
+    op when torch.compile traces the call (lse then always computed)."""
     if torch.compiler.is_compiling():
-        return attention_fp8(q, k, v, q_descale, k_descale, v_descale, causal, scale, out_dtype, *(variant or PLAIN_ARGS))
-    return _fp8_forward_impl(q, k, v, q_descale, k_descale, v_descale, causal, scale, out_dtype, need_lse, variant)
+        return attention_fp8(q, k, v, q_descale, k_descale, v_descale, causal, scale, out_dtype, kernel,
+                             *(variant or PLAIN_ARGS))
+    return _fp8_forward_impl(q, k, v, q_descale, k_descale, v_descale, causal, scale, out_dtype, need_lse, variant, kernel)
 
 
 @torch.library.custom_op("flashgen::attention_fp8", mutates_args=(), device_types="cuda", schema=(
     "(Tensor q, Tensor k, Tensor v, Tensor? q_descale, Tensor? k_descale, Tensor? v_descale, bool causal, float scale, "
-    f"ScalarType out_dtype, {variants.OP_SCHEMA}) -> (Tensor, Tensor)"))
-def attention_fp8(q, k, v, q_descale, k_descale, v_descale, causal, scale, out_dtype, *variant):
+    f"ScalarType out_dtype, str kernel, {variants.OP_SCHEMA}) -> (Tensor, Tensor)"))
+def attention_fp8(q, k, v, q_descale, k_descale, v_descale, causal, scale, out_dtype, kernel, *variant):
     """(o, lse) of the FP8 forward as one op (what torch.compile records); `variant`: VARIANT_ARGS."""
-    return _fp8_forward_impl(q, k, v, q_descale, k_descale, v_descale, causal, scale, out_dtype, True, variant)
+    return _fp8_forward_impl(q, k, v, q_descale, k_descale, v_descale, causal, scale, out_dtype, True, variant, kernel)
 
 
 @attention_fp8.register_fake
-def _attention_fp8_fake(q, k, v, q_descale, k_descale, v_descale, causal, scale, out_dtype, *variant):
+def _attention_fp8_fake(q, k, v, q_descale, k_descale, v_descale, causal, scale, out_dtype, kernel, *variant):
     return q.new_empty((*q.shape[:3], v.shape[-1]), dtype=out_dtype), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _fp8_forward_impl(q, k, v, q_descale, k_descale, v_descale, causal: bool, scale: float, out_dtype: torch.dtype,
-                      need_lse: bool, variant: tuple):
+                      need_lse: bool, variant: tuple, kernel: str):
     batch, heads, seqlen_q, head_dim = q.shape
     o = q.new_empty((batch, heads, seqlen_q, v.shape[-1]), dtype=out_dtype)
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device) if need_lse else None
@@ -178,7 +180,7 @@ def _fp8_forward_impl(q, k, v, q_descale, k_descale, v_descale, causal: bool, sc
         fields, more = variant_values(q, k, causal, *variant)
         values.update(more)
     head_dim_v = v.shape[-1] if v.shape[-1] != head_dim else 0
-    plans.forward_fp8(q.get_device(), head_dim, out_dtype, causal, fields, head_dim_v).run(q.get_device(), values)
+    plans.forward_fp8(q.get_device(), head_dim, out_dtype, causal, fields, head_dim_v, kernel).run(q.get_device(), values)
     return o, lse
 
 

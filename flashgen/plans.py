@@ -167,12 +167,14 @@ def forward(device: int, head_dim: int, dtype: torch.dtype, causal: bool, seqlen
 
 
 def forward_fp8(device: int, head_dim: int, out_dtype: torch.dtype, causal: bool, variant: tuple[str, ...] = (),
-                head_dim_v: int = 0) -> Plan:
-    """The FP8 forward's plan (e4m3 q, k, v; the output in out_dtype)."""
-    key = ("fwd_fp8", device, head_dim, head_dim_v, out_dtype, causal, variant)
+                head_dim_v: int = 0, spec: str = "") -> Plan:
+    """The FP8 forward's plan (e4m3 q, k, v; the output in out_dtype): the kernel `spec` names (its
+    canonical text), or the tables' choice."""
+    key = ("fwd_fp8", device, head_dim, head_dim_v, out_dtype, causal, variant, spec)
     plan = _plans.get(key)
     if plan is None:
-        chosen = tuning.fp8_forward_spec(head_dim, DTYPES[out_dtype], causal, device_arch(device), variant, head_dim_v)
+        chosen = KernelSpec.from_json(spec) if spec else tuning.fp8_forward_spec(
+            head_dim, DTYPES[out_dtype], causal, device_arch(device), variant, head_dim_v)
         plan = _plans[key] = Plan((Launch(kernels.get(chosen)),))
     return plan
 

@@ -265,7 +265,12 @@ def forward_spec(head_dim: int, dtype: str, causal: bool, arch: str, seqlen_q: i
                  variant: tuple[str, ...] = (), head_dim_v: int = 0) -> KernelSpec:
     """The forward kernel for a problem: the Hopper family on sm_90a, unless the query is short
     (varlen: the longest sequence's query) or the family does not build the variant. head_dim_v:
-    V's head dim where it differs from q's (0: the same)."""
+    V's head dim where it differs from q's (0: the same). FP8 inputs (e4m3): the FP8 forward, with
+    its default bf16 output."""
+    if dtype == "e4m3":
+        if varlen:
+            raise SpecError("dtype='e4m3': the FP8 forward takes fixed-length sequences (not varlen)")
+        return fp8_forward_spec(head_dim, "bf16", causal, arch, variant, head_dim_v)
     if builds_for("fwd_sm90", arch) and not query_bucket(seqlen_q) and takes("fwd_sm90", variant):
         try:
             return _first_valid("fwd_sm90", head_dim, dtype, causal, arch, "long", varlen, variant, head_dim_v)

@@ -21,7 +21,8 @@ from itertools import product
 from pathlib import Path
 
 from . import tuning
-from .spec import ROTARY_STYLES, KernelSpec, SpecError
+from .axes import ELEMENT_TYPES, OUTPUT_TYPES
+from .spec import DTYPES, ROTARY_STYLES, KernelSpec, SpecError
 from .variants import FIELDS as VARIANT_FIELDS
 
 ENTRIES = ("attention", "varlen", "kvcache", "merge")
@@ -66,6 +67,9 @@ class Workload:
             if other or ("varlen" in self.entries and "paged" in self.layouts):
                 raise SpecError(f"head_dim_v={self.head_dim_v}: V of its own head dim goes through attention and varlen over "
                                 f"packed keys only (not {', '.join(other) or 'varlen over a paged cache'})")
+        fp8 = [dtype for dtype in self.dtypes if dtype in DTYPES and not ELEMENT_TYPES[dtype].output]
+        if fp8 and self.entries != ("attention",):
+            raise SpecError(f"dtypes {', '.join(fp8)}: FP8 inputs go through attention only (entries: attention)")
         for variant in self.variants:
             unknown = [field for field in variant if field not in VARIANT_FIELDS]
             if unknown:
@@ -82,8 +86,11 @@ class Workload:
 
 
 def _attention(workload: Workload, head_dim, dtype, causal, arch, variant, varlen=False) -> list[KernelSpec]:
-    """The forward for short and long queries (plans.forward) and, with backward, its backward."""
+    """The forward for short and long queries (plans.forward) and, with backward, its backward;
+    FP8 inputs (e4m3): the FP8 forward for each output type (it has no backward)."""
     head_dim_v = workload.head_dim_v if workload.head_dim_v != head_dim else 0
+    if dtype == "e4m3":
+        return [tuning.fp8_forward_spec(head_dim, out, causal, arch, variant, head_dim_v) for out in OUTPUT_TYPES]
     specs = [tuning.forward_spec(head_dim, dtype, causal, arch, seqlen_q, varlen, variant, head_dim_v)
              for seqlen_q in (tuning.SHORT_QUERY, tuning.SHORT_QUERY + 1)]
     return specs + (_backward(head_dim, dtype, causal, arch, variant, varlen, head_dim_v) if workload.backward else [])
@@ -101,8 +108,8 @@ def _backward(head_dim, dtype, causal, arch, variant, varlen, head_dim_v=0) -> l
 
 def backward_of(forward: KernelSpec) -> list[KernelSpec]:
     """The backward kernels (both modes) that run after a forward kernel, for the same problem
-    (none after a forward over a paged cache: those calls take no gradients)."""
-    if forward.paged:
+    (none after a forward over a paged cache or of FP8 inputs: those calls take no gradients)."""
+    if forward.paged or not forward.element.output:
         return []
     variant = (*forward.variants,
                *((rule, getattr(forward, rule)) for rule in ("score_mod", "mask_mod") if getattr(forward, rule)))

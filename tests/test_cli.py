@@ -199,7 +199,7 @@ def test_bad_head_dim_is_named_as_the_problem(tmp_path, d):
     (["--d", "64,"], "expected integers separated by commas"),
     (["--d", "0"], "positive integer"),
     (["--d", "64", "--jobs", "0"], "0 is not in the range x>=1"),
-    (["--d", "64", "--dtype", "fp32"], "'fp32': must be one of fp16, bf16, both"),
+    (["--d", "64", "--dtype", "fp32"], "'fp32': must be one of fp16, bf16, e4m3, both"),
     (["--d", "64", "--causal", "--no-causal"], "contradicts"),
 ])
 def test_bad_options_are_refused(tmp_path, args, text):

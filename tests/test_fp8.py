@@ -137,7 +137,7 @@ def test_fp8_forward_is_one_custom_op_for_torch_compile():
     with FakeTensorMode():
         q, k, v = (torch.empty(2, 4, 9, 64, dtype=torch.float8_e4m3fn), torch.empty(2, 2, 7, 64, dtype=torch.float8_e4m3fn),
                    torch.empty(2, 2, 7, 32, dtype=torch.float8_e4m3fn))
-        o, lse = ops._attention_fp8_fake(q, k, v, None, None, None, True, 0.125, torch.float16)
+        o, lse = ops._attention_fp8_fake(q, k, v, None, None, None, True, 0.125, torch.float16, "")
     assert (o.shape, o.dtype, lse.shape, lse.dtype) == ((2, 4, 9, 32), torch.float16, (2, 4, 9), torch.float32)
 
 
@@ -156,3 +156,21 @@ def test_bench_dtype_fp8_is_a_benchmark_of_its_own(monkeypatch):
     assert tuple(asked["head_dims"]) == (128,)
     result = CliRunner().invoke(cli.main, ["bench", "--dtype", "fp8", "--decode"])
     assert result.exit_code != 0 and "separate benchmarks" in result.output
+
+
+def test_build_makes_the_fp8_forward_for_each_output_type_and_no_backward():
+    """A deployment that calls attention with FP8 inputs under FLASHGEN_NO_JIT=1 finds its kernels
+    in what `flashgen build --dtype e4m3` makes; FP8 goes through attention only."""
+    from click.testing import CliRunner
+
+    from flashgen import cli
+    from flashgen.workload import Workload, describing
+
+    result = CliRunner().invoke(cli.main, ["build", "--d", "128", "--dtype", "e4m3", "--causal", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert sorted(result.output.split()[-2:]) == ["fwd_sm90_d128_m128_n128_e4m3_obf16_causal_s2_sm90a",
+                                                  "fwd_sm90_d128_m128_n128_e4m3_ofp16_causal_s2_sm90a"]
+    spec = tuning.fp8_forward_spec(64, "fp16", False, "sm_90a", ("window",))
+    assert spec in describing(spec).specs()
+    with pytest.raises(SpecError, match="FP8 inputs go through attention only"):
+        Workload(head_dims=(128,), dtypes=("e4m3",), entries=("attention", "kvcache"))
