@@ -56,7 +56,7 @@ def test_the_hopper_forward_multiplies_p_by_v_at_v_s_width():
     source = render(spec)
     shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", source))
     assert shapes == {"112", "128"}  # S = Q K^T over 112 keys (k-steps over d = 192), O += P V at d_v = 128
-    assert "constexpr int QK_STEPS = HEAD_DIM_PAD / 16;" in source and "constexpr int HEAD_DIM_PAD = 192;" in source
+    assert "constexpr int MMA_K = 16;" in source and "constexpr int HEAD_DIM_PAD = 192;" in source  # 12 k-steps over d
 
 
 def test_the_oracle_and_the_inputs_take_v_s_head_dim():
