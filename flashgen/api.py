@@ -199,6 +199,6 @@ def _fp8_call(q, k, v, causal, scale, return_lse, spec, q_descale, k_descale, v_
         if out_dtype != built_for:
             raise ValueError(f"{spec.name} writes {built_for}; this call asks for out_dtype={out_dtype}")
         kernel = spec.canonical()
-    o, lse = ops.fp8_forward(q, k, v, q_descale, k_descale, v_descale, bool(causal), softmax_scale(scale, q.shape[-1]),
+    o, lse = ops.fp8_forward(q, k, v, q_descale, k_descale, v_descale, None, None, 0, bool(causal), softmax_scale(scale, q.shape[-1]),
                              out_dtype, bool(return_lse), chosen.op_args(), kernel)
     return (o, lse) if return_lse else o

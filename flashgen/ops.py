@@ -138,49 +138,81 @@ def fp8_values(v: torch.Tensor) -> torch.Tensor:
     return grouped.reshape(batch, kv_heads, head_dim_v, -1).view(v.dtype)
 
 
-def fp8_forward(q, k, v, q_descale, k_descale, v_descale, causal: bool, scale: float, out_dtype: torch.dtype,
-                need_lse: bool, variant: tuple, kernel: str = ""):
-    """(o, lse) of an FP8 forward (e4m3 q, k, v of flashgen.attention's layout, checked; descales
-    fp32 (B, H_kv) or None): o in out_dtype with V's head dim, lse (B, H, Tq) fp32 or None.
-    `kernel`: the canonical text of the spec to run ("" = the tables' choice). Through the custom
-    op when torch.compile traces the call (lse then always computed)."""
+def fp8_values_varlen(v: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Tensor:
+    """Packed V (total_k, H_kv, d_v) of an FP8 forward as its kernel reads it: (1, H_kv, d_v, keys),
+    sequence b's keys from position 16 (ceil(cu_seqlens_k[b] / 16) + b), a multiple of 16 (so each
+    16 of a sequence's keys are one group of FP8_KEY_ORDER), zeros between. On the device, without
+    reading cu_seqlens_k on the host (no sync)."""
+    total, kv_heads, head_dim_v = v.shape
+    batch = cu_seqlens_k.shape[0] - 1
+    width = 16 * (-(-total // 16) + batch + 1)  # past every sequence's start and keys
+    out = torch.zeros(kv_heads, head_dim_v, width, dtype=torch.uint8, device=v.device)
+    if total:
+        cu = cu_seqlens_k.long()
+        token = torch.arange(total, device=v.device)
+        sequence = (torch.searchsorted(cu[1:], token, right=True)).clamp_max(max(batch - 1, 0))
+        at = 16 * ((cu[sequence] + 15) // 16 + sequence) + token - cu[sequence]  # each key's position, in order
+        inverse = torch.tensor(FP8_KEY_ORDER, device=v.device).argsort()  # key k of a group goes to position inverse[k]
+        at = at - at % 16 + inverse[at % 16]
+        out.index_copy_(2, at, v.view(torch.uint8).permute(1, 2, 0))
+    return out[None].view(v.dtype)
+
+
+def fp8_forward(q, k, v, q_descale, k_descale, v_descale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, causal: bool,
+                scale: float, out_dtype: torch.dtype, need_lse: bool, variant: tuple, kernel: str = ""):
+    """(o, lse) of an FP8 forward (e4m3 q, k, v, checked: flashgen.attention's layout, or packed
+    with cu_seqlens as attention_varlen's; descales fp32 (batch or sequences, H_kv) or None): o in
+    out_dtype with V's head dim, lse (B, H, Tq) or (H, total_q) fp32 or None. `kernel`: the
+    canonical text of the spec to run ("" = the tables' choice). Through the custom op when
+    torch.compile traces the call (lse then always computed)."""
     if torch.compiler.is_compiling():
-        return attention_fp8(q, k, v, q_descale, k_descale, v_descale, causal, scale, out_dtype, kernel,
-                             *(variant or PLAIN_ARGS))
-    return _fp8_forward_impl(q, k, v, q_descale, k_descale, v_descale, causal, scale, out_dtype, need_lse, variant, kernel)
+        return attention_fp8(q, k, v, q_descale, k_descale, v_descale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale,
+                             out_dtype, kernel, *(variant or PLAIN_ARGS))
+    return _fp8_forward_impl(q, k, v, q_descale, k_descale, v_descale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale,
+                             out_dtype, need_lse, variant, kernel)
 
 
 @torch.library.custom_op("flashgen::attention_fp8", mutates_args=(), device_types="cuda", schema=(
-    "(Tensor q, Tensor k, Tensor v, Tensor? q_descale, Tensor? k_descale, Tensor? v_descale, bool causal, float scale, "
-    f"ScalarType out_dtype, str kernel, {variants.OP_SCHEMA}) -> (Tensor, Tensor)"))
-def attention_fp8(q, k, v, q_descale, k_descale, v_descale, causal, scale, out_dtype, kernel, *variant):
+    "(Tensor q, Tensor k, Tensor v, Tensor? q_descale, Tensor? k_descale, Tensor? v_descale, Tensor? cu_seqlens_q, "
+    "Tensor? cu_seqlens_k, SymInt max_seqlen_q, bool causal, float scale, ScalarType out_dtype, str kernel, "
+    f"{variants.OP_SCHEMA}) -> (Tensor, Tensor)"))
+def attention_fp8(q, k, v, q_descale, k_descale, v_descale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale, out_dtype,
+                  kernel, *variant):
     """(o, lse) of the FP8 forward as one op (what torch.compile records); `variant`: VARIANT_ARGS."""
-    return _fp8_forward_impl(q, k, v, q_descale, k_descale, v_descale, causal, scale, out_dtype, True, variant, kernel)
+    return _fp8_forward_impl(q, k, v, q_descale, k_descale, v_descale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale,
+                             out_dtype, True, variant, kernel)
 
 
 @attention_fp8.register_fake
-def _attention_fp8_fake(q, k, v, q_descale, k_descale, v_descale, causal, scale, out_dtype, kernel, *variant):
-    return q.new_empty((*q.shape[:3], v.shape[-1]), dtype=out_dtype), q.new_empty(q.shape[:3], dtype=torch.float32)
+def _attention_fp8_fake(q, k, v, q_descale, k_descale, v_descale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale,
+                        out_dtype, kernel, *variant):
+    lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else q.shape[:3]
+    return q.new_empty((*q.shape[:-1], v.shape[-1]), dtype=out_dtype), q.new_empty(lse_shape, dtype=torch.float32)
 
 
-def _fp8_forward_impl(q, k, v, q_descale, k_descale, v_descale, causal: bool, scale: float, out_dtype: torch.dtype,
-                      need_lse: bool, variant: tuple, kernel: str):
-    batch, heads, seqlen_q, head_dim = q.shape
-    o = q.new_empty((batch, heads, seqlen_q, v.shape[-1]), dtype=out_dtype)
-    lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device) if need_lse else None
+def _fp8_forward_impl(q, k, v, q_descale, k_descale, v_descale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, causal: bool,
+                      scale: float, out_dtype: torch.dtype, need_lse: bool, variant: tuple, kernel: str):
+    packed = cu_seqlens_q is not None
+    head_dim = q.shape[-1]
+    lse_shape = (q.shape[1], q.shape[0]) if packed else q.shape[:3]
+    o = q.new_empty((*q.shape[:-1], v.shape[-1]), dtype=out_dtype)
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if need_lse else None
     if o.numel() == 0:
         return o, lse
-    if k.shape[2] == 0:  # no keys: every row sees nothing
-        return o.zero_(), None if lse is None else variants.no_key_lse(lse, False, variant)
-    values = {"q": aligned(q), "k": aligned(k), "v": fp8_values(v), "o": o, "lse": lse, "scale": scale,
-              **{name: None if t is None else t.contiguous() for name, t in
-                 (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))}}
+    if k.shape[0 if packed else 2] == 0:  # no keys: every row sees nothing
+        return o.zero_(), None if lse is None else variants.no_key_lse(lse, packed, variant)
+    values = {"q": aligned(q), "k": aligned(k), "v": fp8_values_varlen(v, cu_seqlens_k) if packed else fp8_values(v), "o": o,
+              "lse": lse, "scale": scale, **{name: None if t is None else t.contiguous() for name, t in
+                                             (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))}}
+    if packed:
+        values.update(cu_seqlens_q=cu_seqlens_q.contiguous(), cu_seqlens_k=cu_seqlens_k.contiguous(),
+                      max_seqlen_q=min(max_seqlen_q, q.shape[0]))
     fields = ()
     if variant and variant != PLAIN_ARGS:
         fields, more = variant_values(q, k, causal, *variant)
         values.update(more)
     head_dim_v = v.shape[-1] if v.shape[-1] != head_dim else 0
-    plans.forward_fp8(q.get_device(), head_dim, out_dtype, causal, fields, head_dim_v, kernel).run(q.get_device(), values)
+    plans.forward_fp8(q.get_device(), head_dim, out_dtype, causal, fields, head_dim_v, kernel, packed).run(q.get_device(), values)
     return o, lse
 
 

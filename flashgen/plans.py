@@ -167,14 +167,14 @@ def forward(device: int, head_dim: int, dtype: torch.dtype, causal: bool, seqlen
 
 
 def forward_fp8(device: int, head_dim: int, out_dtype: torch.dtype, causal: bool, variant: tuple[str, ...] = (),
-                head_dim_v: int = 0, spec: str = "") -> Plan:
-    """The FP8 forward's plan (e4m3 q, k, v; the output in out_dtype): the kernel `spec` names (its
-    canonical text), or the tables' choice."""
-    key = ("fwd_fp8", device, head_dim, head_dim_v, out_dtype, causal, variant, spec)
+                head_dim_v: int = 0, spec: str = "", varlen: bool = False) -> Plan:
+    """The FP8 forward's plan (e4m3 q, k, v; the output in out_dtype; varlen: packed sequences): the
+    kernel `spec` names (its canonical text), or the tables' choice."""
+    key = ("fwd_fp8", device, head_dim, head_dim_v, out_dtype, causal, variant, spec, varlen)
     plan = _plans.get(key)
     if plan is None:
         chosen = KernelSpec.from_json(spec) if spec else tuning.fp8_forward_spec(
-            head_dim, DTYPES[out_dtype], causal, device_arch(device), variant, head_dim_v)
+            head_dim, DTYPES[out_dtype], causal, device_arch(device), variant, head_dim_v, varlen)
         plan = _plans[key] = Plan((Launch(kernels.get(chosen)),))
     return plan
 

@@ -268,9 +268,7 @@ def forward_spec(head_dim: int, dtype: str, causal: bool, arch: str, seqlen_q: i
     V's head dim where it differs from q's (0: the same). FP8 inputs (e4m3): the FP8 forward, with
     its default bf16 output."""
     if dtype == "e4m3":
-        if varlen:
-            raise SpecError("dtype='e4m3': the FP8 forward takes fixed-length sequences (not varlen)")
-        return fp8_forward_spec(head_dim, "bf16", causal, arch, variant, head_dim_v)
+        return fp8_forward_spec(head_dim, "bf16", causal, arch, variant, head_dim_v, varlen)
     if builds_for("fwd_sm90", arch) and not query_bucket(seqlen_q) and takes("fwd_sm90", variant):
         try:
             return _first_valid("fwd_sm90", head_dim, dtype, causal, arch, "long", varlen, variant, head_dim_v)
@@ -283,14 +281,15 @@ def forward_spec(head_dim: int, dtype: str, causal: bool, arch: str, seqlen_q: i
 
 
 def fp8_forward_spec(head_dim: int, out_dtype: str, causal: bool, arch: str, variant: tuple[str, ...] = (),
-                     head_dim_v: int = 0) -> KernelSpec:
-    """The FP8 forward (e4m3 q, k, v; the output in out_dtype): the Hopper family at 128 x 128, the
-    tile its transposed V's one 128-byte row of keys fixes (sm_90a only)."""
+                     head_dim_v: int = 0, varlen: bool = False) -> KernelSpec:
+    """The FP8 forward (e4m3 q, k, v; the output in out_dtype; varlen: packed sequences): the
+    Hopper family at 128 x 128, the tile its transposed V's one 128-byte row of keys fixes (sm_90a
+    only)."""
     from .families import family
 
     family("fwd_sm90").check_arch("fwd_sm90", arch)
     return KernelSpec(kind="fwd_sm90", head_dim=head_dim, head_dim_v=head_dim_v, dtype="e4m3", out_dtype=out_dtype, causal=causal,
-                      arch=arch, block_m=128, block_n=128, num_stages=2, **variant_fields(variant))
+                      arch=arch, block_m=128, block_n=128, num_stages=2, varlen=varlen, **variant_fields(variant))
 
 
 def paged_forward_spec(head_dim: int, dtype: str, causal: bool, arch: str, seqlen_q: int, variant: tuple[str, ...] = (),

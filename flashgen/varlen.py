@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import inputs, ops, variants
-from .plans import DTYPES, MAX_GRID_YZ
+from .plans import DTYPES, FP8_DTYPES, MAX_GRID_YZ
 
 
 # ---- input checks -------------------------------------------------------------------------------
@@ -51,10 +51,10 @@ def _well_formed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     )
 
 
-def check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=None) -> None:
+def check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=None, fp8=False) -> None:
     """Every check that needs neither the GPU nor cu_seqlens' values: named errors for what the
     kernels cannot take. With a block_table, k and v are a paged cache (num_blocks, page_size,
-    heads_kv, head_dim)."""
+    heads_kv, head_dim). fp8: q, k, v are FP8, which inputs.fp8 checks (not the 16-bit rule)."""
     paged = block_table is not None
     kv_rows = "num_blocks, page_size, heads_kv" if paged else "total_k, heads_kv"
     kv_layout = f"({kv_rows}, head_dim): " + ("a paged cache, with block_table" if paged else
@@ -63,9 +63,10 @@ def check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     inputs.tensor("k", k, 4 if paged else 3, kv_layout)
     inputs.tensor("v", v, 4 if paged else 3, kv_layout)
     named = {"q": q, "k": k, "v": v}
-    for name, t in named.items():
-        inputs.half_precision(name, t)
-    inputs.one_dtype(named)
+    if not fp8:
+        for name, t in named.items():
+            inputs.half_precision(name, t)
+        inputs.one_dtype(named)
     inputs.same(f"shape ({kv_rows})", {"k": tuple(k.shape[:-1]), "v": tuple(v.shape[:-1])})
     total_q, heads, head_dim = q.shape
     inputs.query_groups(heads, k.shape[-2])
@@ -139,6 +140,7 @@ def attention_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p: float = 0.0, softmax_scale=None,
     causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None,
     deterministic: bool = False, return_lse: bool = False, block_table=None, *, learnable_sink=None,
+    q_descale=None, k_descale=None, v_descale=None, out_dtype=None,
 ):
     """Exact attention over a batch of sequences of different lengths, packed without padding;
     FlashAttention's flash_attn_varlen_func (names, layouts, semantics). Differentiable.
@@ -175,6 +177,10 @@ def attention_varlen(
     sequence's queries to the end of its keys. Forward only (no gradients, as in FlashAttention);
     max_seqlen_k bounds the key lengths a captured graph may replay with.
 
+    FP8, as attention()'s (sm_90a, forward only): q, k, v torch.float8_e4m3fn, q_descale,
+    k_descale, v_descale fp32 (batch, heads_kv) (batch = the sequences), out_dtype bfloat16 (the
+    default) or float16; not with a block_table.
+
     Checked on every call, without a sync: types, shapes (3-D packed tensors, (batch + 1,)
     offsets), dtypes (int32 offsets), GQA head counts, head dims, devices, max_seqlen values.
     Not checked: cu_seqlens' values (starting at 0, non-decreasing, ending at total_q / total_k,
@@ -185,6 +191,10 @@ def attention_varlen(
     are left uncomputed, as in FlashAttention (there its last ones; here, where the query tiles run
     longest first, its first ones).
     """
+    if getattr(q, "dtype", None) in FP8_DTYPES or out_dtype is not None or not q_descale is k_descale is v_descale is None:
+        return _fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                    window_size, softcap, alibi_slopes, return_lse, block_table, learnable_sink, q_descale, k_descale, v_descale,
+                    out_dtype)
     q, k, v = ops.autocast_inputs(q, k, v)
     check_no_dropout(dropout_p)
     if block_table is not None and torch.compiler.is_compiling():  # one op; its checks run when it runs
@@ -201,4 +211,29 @@ def attention_varlen(
     o, lse = ops.attention(q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
                            bool(causal), inputs.softmax_scale(softmax_scale, q.shape[-1]), "", bool(deterministic),
                            need_lse=bool(return_lse), variant=chosen.op_args())
+    return (o, lse) if return_lse else o
+
+
+def _fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
+         softcap, alibi_slopes, return_lse, block_table, learnable_sink, q_descale, k_descale, v_descale, out_dtype):
+    """attention_varlen with FP8 inputs: checked, then the FP8 forward over packed sequences."""
+    check_no_dropout(dropout_p)
+    inputs.tensor("q", q)
+    if q.dtype not in FP8_DTYPES:
+        raise TypeError(f"q has dtype {q.dtype}: q_descale, k_descale, v_descale and out_dtype are for FP8 inputs "
+                        "(torch.float8_e4m3fn q, k and v)")
+    if block_table is not None:
+        raise ValueError("attention_varlen with FP8 inputs reads packed keys: FP8 paged caches (block_table) are not built yet")
+    check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, fp8=True)
+    out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
+    inputs.fp8({"q": q, "k": k, "v": v}, {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}, out_dtype,
+               cu_seqlens_q.shape[0] - 1, k.shape[1])
+    chosen = check_variant(q, cu_seqlens_q, max_seqlen_k, causal, window_size, softcap, alibi_slopes, learnable_sink)
+    if learnable_sink is not None and learnable_sink.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError("learnable_sink requires grad: FP8 attention is forward-only (as FlashAttention-3's); "
+                           "run it under torch.no_grad()")
+    inputs.on_one_cuda_device("attention_varlen", {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
+                                                   "q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale})
+    o, lse = ops.fp8_forward(q, k, v, q_descale, k_descale, v_descale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, bool(causal),
+                             inputs.softmax_scale(softmax_scale, q.shape[-1]), out_dtype, bool(return_lse), chosen.op_args())
     return (o, lse) if return_lse else o

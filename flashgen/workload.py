@@ -68,8 +68,9 @@ class Workload:
                 raise SpecError(f"head_dim_v={self.head_dim_v}: V of its own head dim goes through attention and varlen over "
                                 f"packed keys only (not {', '.join(other) or 'varlen over a paged cache'})")
         fp8 = [dtype for dtype in self.dtypes if dtype in DTYPES and not ELEMENT_TYPES[dtype].output]
-        if fp8 and self.entries != ("attention",):
-            raise SpecError(f"dtypes {', '.join(fp8)}: FP8 inputs go through attention only (entries: attention)")
+        if fp8 and set(self.entries) - {"attention", "varlen"}:
+            raise SpecError(f"dtypes {', '.join(fp8)}: FP8 inputs go through attention and varlen only (not "
+                            f"{', '.join(sorted(set(self.entries) - {'attention', 'varlen'}))})")
         for variant in self.variants:
             unknown = [field for field in variant if field not in VARIANT_FIELDS]
             if unknown:
@@ -90,7 +91,7 @@ def _attention(workload: Workload, head_dim, dtype, causal, arch, variant, varle
     FP8 inputs (e4m3): the FP8 forward for each output type (it has no backward)."""
     head_dim_v = workload.head_dim_v if workload.head_dim_v != head_dim else 0
     if dtype == "e4m3":
-        return [tuning.fp8_forward_spec(head_dim, out, causal, arch, variant, head_dim_v) for out in OUTPUT_TYPES]
+        return [tuning.fp8_forward_spec(head_dim, out, causal, arch, variant, head_dim_v, varlen) for out in OUTPUT_TYPES]
     specs = [tuning.forward_spec(head_dim, dtype, causal, arch, seqlen_q, varlen, variant, head_dim_v)
              for seqlen_q in (tuning.SHORT_QUERY, tuning.SHORT_QUERY + 1)]
     return specs + (_backward(head_dim, dtype, causal, arch, variant, varlen, head_dim_v) if workload.backward else [])
@@ -124,6 +125,8 @@ def _decode(head_dim, dtype, arch, paged, variant, rotary="", varlen=False) -> l
 
 def _varlen(workload: Workload, head_dim, dtype, causal, arch, variant) -> list[KernelSpec]:
     specs = _attention(workload, head_dim, dtype, causal, arch, variant, varlen=True)
+    if dtype == "e4m3":  # (packed keys only: no FP8 paged cache yet)
+        return specs
     if "paged" in workload.layouts:  # attention_varlen over a block table: the decode kernels' varlen form,
         specs += _decode(head_dim, dtype, arch, True, variant, varlen=True)  # and for long chunks the Hopper forward
         specs += [spec for spec in [tuning.paged_forward_spec(head_dim, dtype, causal, arch, tuning.SHORT_QUERY + 1, variant)]

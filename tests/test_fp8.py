@@ -30,6 +30,9 @@ def fp8_specs():
                     except SpecError:
                         assert head_dim == 256 and variant not in ((), ("sink",)), (head_dim, variant)
     specs.append(tuning.fp8_forward_spec(192, "bf16", True, "sm_90a", head_dim_v=128))  # V's own head dim
+    specs += [tuning.fp8_forward_spec(head_dim, "bf16", causal, "sm_90a", variant, varlen=True)  # packed sequences
+              for head_dim in (64, 128, 256) for causal in (False, True) for variant in ((), ("window", "sink"))
+              if head_dim != 256 or not variant]
     return specs
 
 
@@ -44,8 +47,8 @@ def test_fp8_specs_name_their_types_and_refuse_what_they_cannot_run():
         spec.replace(out_dtype="")
     with pytest.raises(SpecError, match="block_n=128"):
         spec.replace(block_n=64)
-    with pytest.raises(SpecError, match="fixed-length sequences"):
-        spec.replace(varlen=True)
+    with pytest.raises(SpecError, match="not pages"):
+        spec.replace(varlen=True, paged=True)
     with pytest.raises(SpecError, match="a fwd kernel takes fp16, bf16"):
         KernelSpec(head_dim=128, dtype="e4m3", out_dtype="bf16", arch="sm_90a")
     with pytest.raises(SpecError, match="needs sm_90a"):
@@ -69,6 +72,23 @@ def test_fp8_spec_compiles_to_e4m3_wgmma_without_spills(spec):
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx  # P rounded to e4m3, saturating
     assert f"cvt.rn.{spec.output_element.ptx}x2.f32" in ptx  # O in the output's type
     assert not re.search(r"wgmma[^;]*\.(bf16|f16)\.", ptx)
+
+
+def test_packed_transposed_v_starts_each_sequence_on_a_group_of_16():
+    """attention_varlen's V: sequence b from position 16 (ceil(cu_k[b] / 16) + b), its keys in
+    FP8_KEY_ORDER within each 16, zeros elsewhere; made on the device without a sync."""
+    lengths = [5, 0, 37, 16, 3]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    v = torch.randn(sum(lengths), 2, 24).to(torch.float8_e4m3fn)
+    vt = ops.fp8_values_varlen(v, cu).float()[0]
+    assert vt.shape[-1] % 16 == 0 and vt.shape[-1] >= 16 * (-(-sum(lengths) // 16) + len(lengths))
+    expected = torch.zeros_like(vt)
+    for b, length in enumerate(lengths):
+        start = 16 * ((int(cu[b]) + 15) // 16 + b)
+        for j in range(length):
+            position = start + j - j % 16 + ops.FP8_KEY_ORDER.index(j % 16)
+            expected[:, :, position] = v[int(cu[b]) + j].float()
+    assert torch.equal(vt, expected)
 
 
 def test_transposed_v_holds_each_16_keys_in_the_order_p_registers_hold_them():
@@ -137,8 +157,12 @@ def test_fp8_forward_is_one_custom_op_for_torch_compile():
     with FakeTensorMode():
         q, k, v = (torch.empty(2, 4, 9, 64, dtype=torch.float8_e4m3fn), torch.empty(2, 2, 7, 64, dtype=torch.float8_e4m3fn),
                    torch.empty(2, 2, 7, 32, dtype=torch.float8_e4m3fn))
-        o, lse = ops._attention_fp8_fake(q, k, v, None, None, None, True, 0.125, torch.float16, "")
+        o, lse = ops._attention_fp8_fake(q, k, v, None, None, None, None, None, 0, True, 0.125, torch.float16, "")
+        packed = torch.empty(9, 4, 64, dtype=torch.float8_e4m3fn), torch.empty(3, dtype=torch.int32)
+        o_packed, lse_packed = ops._attention_fp8_fake(packed[0], packed[0], packed[0][..., :32], None, None, None, packed[1],
+                                                       packed[1], 5, True, 0.125, torch.bfloat16, "")
     assert (o.shape, o.dtype, lse.shape, lse.dtype) == ((2, 4, 9, 32), torch.float16, (2, 4, 9), torch.float32)
+    assert (o_packed.shape, o_packed.dtype, lse_packed.shape) == ((9, 4, 32), torch.bfloat16, (4, 9))
 
 
 def test_bench_dtype_fp8_is_a_benchmark_of_its_own(monkeypatch):
@@ -172,5 +196,18 @@ def test_build_makes_the_fp8_forward_for_each_output_type_and_no_backward():
                                                   "fwd_sm90_d128_m128_n128_e4m3_ofp16_causal_s2_sm90a"]
     spec = tuning.fp8_forward_spec(64, "fp16", False, "sm_90a", ("window",))
     assert spec in describing(spec).specs()
-    with pytest.raises(SpecError, match="FP8 inputs go through attention only"):
+    with pytest.raises(SpecError, match="FP8 inputs go through attention and varlen only"):
         Workload(head_dims=(128,), dtypes=("e4m3",), entries=("attention", "kvcache"))
+    varlen = Workload(head_dims=(128,), dtypes=("e4m3",), entries=("varlen",)).specs()
+    assert {(spec.varlen, spec.out_dtype) for spec in varlen} == {(True, "bf16"), (True, "fp16")}
+
+
+def test_fp8_varlen_input_errors_are_named():
+    q, k = fp8(30, 4, 64), fp8(40, 2, 64)
+    cu = torch.tensor([0, 10, 30], dtype=torch.int32), torch.tensor([0, 15, 40], dtype=torch.int32)
+    with pytest.raises(ValueError, match="FP8 paged caches \\(block_table\\) are not built yet"):
+        flashgen.attention_varlen(q, k, k, *cu, 20, 25, block_table=torch.zeros(2, 3, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"k_descale must be float32 of shape \(batch, heads_kv\) = \(2, 2\)"):
+        flashgen.attention_varlen(q, k, k, *cu, 20, 25, k_descale=torch.ones(3, 2))
+    with pytest.raises(TypeError, match="v has dtype torch.bfloat16; with FP8 inputs"):
+        flashgen.attention_varlen(q, k, k.to(torch.bfloat16), *cu, 20, 25)

@@ -135,3 +135,34 @@ def test_fp8_under_torch_compile_matches_eager():
     run = lambda q, k, v: flashgen.attention(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)  # noqa: E731
     with torch.no_grad():
         assert torch.equal(torch.compile(run, fullgraph=True)(q, k, v), run(q, k, v))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fp8_varlen_equals_each_sequence_alone(head_dim, causal):
+    """attention_varlen with FP8 inputs (sequences whose starts are no multiple of 16, one empty):
+    each sequence's rows and lse are the fixed-length FP8 forward's on that sequence alone, with
+    its own descales, bit for bit (the same kernel, the same tiles)."""
+    needs_hopper()
+    lengths_q, lengths_k = [200, 0, 77, 333], [250, 5, 77, 900]
+    heads, kv_heads = 8, 2
+    gen = torch.Generator(device="cuda").manual_seed(head_dim + causal)
+    parts = []
+    for length_q, length_k in zip(lengths_q, lengths_k):
+        parts.append([quantized(torch.randn(1, h, t, head_dim, device="cuda", generator=gen), kv_heads)
+                      for h, t in ((heads, length_q), (kv_heads, length_k), (kv_heads, length_k))])
+    packed = [torch.cat([part[i][0][0].transpose(0, 1) for part in parts]) for i in range(3)]  # (total, H, d)
+    descales = [torch.cat([part[i][1] for part in parts]) for i in range(3)]  # (sequences, H_kv)
+    cu = [torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+          for lengths in (lengths_q, lengths_k)]
+    with torch.no_grad():
+        out, lse = flashgen.attention_varlen(*packed, *cu, max(lengths_q), max(lengths_k), causal=causal, return_lse=True,
+                                             q_descale=descales[0], k_descale=descales[1], v_descale=descales[2])
+        for b, part in enumerate(parts):
+            if not lengths_q[b]:
+                continue
+            alone, alone_lse = flashgen.attention(part[0][0], part[1][0], part[2][0], causal=causal, return_lse=True,
+                                                  q_descale=part[0][1], k_descale=part[1][1], v_descale=part[2][1])
+            rows = slice(int(cu[0][b]), int(cu[0][b + 1]))
+            assert torch.equal(out[rows], alone[0].transpose(0, 1)), b
+            assert torch.equal(lse[:, rows], alone_lse[0]), b

@@ -130,8 +130,8 @@ class HopperForward(Family):
             if spec.block_n != 128:
                 raise SpecError(f"dtype={spec.dtype!r}, block_n={spec.block_n}: an FP8 forward runs block_n=128 "
                                 "(one 128-byte row of transposed V a head-dim row)")
-            if spec.varlen or spec.paged:
-                raise SpecError(f"dtype={spec.dtype!r}: the FP8 forward takes fixed-length sequences (varlen=False, paged=False)")
+            if spec.paged:
+                raise SpecError(f"dtype={spec.dtype!r}: the FP8 forward reads packed or fixed-length keys, not pages (paged=False)")
         if spec.paged and not spec.varlen:
             raise SpecError("paged=True: the paged Hopper forward takes packed sequences (varlen=True)")
         if spec.paged and spec.block_m != 128:
@@ -206,8 +206,9 @@ class HopperForward(Family):
         # `paged`, k and v are (num_pages, page_size, heads_kv, d) caches, seen as (pages, heads_kv,
         # page_size, d), page_rows rows a box.
         kv_view, kv_rows = ("{}.transpose(1, 2)", f"page_rows(k, {spec.block_n})") if spec.paged else ("{}", spec.block_n)
-        # FP8: v is V transposed, (B, H_kv, d_v, keys) with each 16 keys in the order P's registers
-        # hold them (flashgen.ops.fp8_values): one box of 128 keys by d_v_pad rows a tile
+        # FP8: v is V transposed, (B, H_kv, d_v, keys) (varlen: (1, H_kv, d_v, keys), each sequence's
+        # keys from a multiple of 16) with each 16 keys in the order P's registers hold them
+        # (flashgen.ops.fp8_values): one box of 128 keys by d_v_pad rows a tile
         v_map = f"tensor_map(v, {self.d_v_pad(spec)}, 128)" if spec.element.bytes == 1 else f"tensor_map({kv_view.format('v')}, {kv_rows})"
         maps = [
             tensormap("q_map", f"tensor_map(q, {spec.block_m})"),
@@ -224,7 +225,7 @@ class HopperForward(Family):
                 *([scalar("num_tiles", "int", self._tiles(spec))] if spec.persistent else []),
             ])
         # partial O tiles leave through plain clipped stores (o_ptr: `o` is the accumulator there)
-        clipped = [Param("o_ptr", "elem_t* __restrict__", "ptr", "o.data_ptr()", "o"), *strides("o", "o", dims=PACKED)]
+        clipped = [Param("o_ptr", "out_t* __restrict__", "ptr", "o.data_ptr()", "o"), *strides("o", "o", dims=PACKED)]
         # sequence b's key position pos is row pos % page_size of page block_table[b][pos / page_size]
         # and past the pages, the new keys of an append that had no place in them: k_new, v_new
         # (batch, seqlen_new, heads_kv, d), or none (seqlen_new 0: the caches stand in for the maps)
@@ -244,7 +245,7 @@ class HopperForward(Family):
             *tensor("k_new", value="(k if k_new is None else k_new)", dims=("batch", "row", "head")),
             *tensor("v_new", value="(v if v_new is None else v_new)", dims=("batch", "row", "head")),
         ] if spec.paged else []
-        return Params(self.arguments, [*maps, *clipped, *pages, *forward_outputs_and_sizes(spec)])
+        return Params(self.arguments, [*maps, *descales, *clipped, *pages, *forward_outputs_and_sizes(spec)])
 
     def helpers(self, spec: KernelSpec) -> dict:
         return {**super().helpers(spec), **tensor_map_helper(), "sm_count": _sm_count, "page_rows": page_rows,
