@@ -26,7 +26,8 @@ def quantized(x, kv_heads):
     each group's largest magnitude maps to e4m3's 448."""
     batch, heads, seqlen, dim = x.shape
     groups = x.float().reshape(batch, kv_heads, heads // kv_heads * seqlen * dim)
-    descale = (groups.abs().amax(-1) / 448.0).clamp_min(1e-12)
+    largest = groups.abs().amax(-1) if groups.shape[-1] else groups.new_ones(groups.shape[:2])  # (an empty sequence: 1)
+    descale = (largest / 448.0).clamp_min(1e-12)
     scaled = (groups / descale[..., None]).reshape(x.shape)
     return scaled.to(E4M3), descale.contiguous()
 
