@@ -58,6 +58,9 @@ def fp8(named: dict, descales: dict, out_dtype, batch: int, kv_heads: int) -> No
                              f"got {t.dtype} of shape {tuple(t.shape)}")
     if out_dtype not in DTYPES:
         raise TypeError(f"out_dtype={out_dtype}: the output of an FP8 forward is torch.bfloat16 or torch.float16")
+    q = named["q"]
+    if q.shape[-1] % 16:  # (TMA reads rows of whole 16 bytes)
+        raise ValueError(f"head_dim={q.shape[-1]} with FP8 inputs: it must be a multiple of 16 up to 256")
 
 
 def one_dtype(named: dict) -> None:
@@ -111,14 +114,16 @@ def last_dim_contiguous(named: dict) -> None:
 
 def is_aligned(t: torch.Tensor) -> bool:
     """What the kernels read in place: cp.async and TMA move 16 bytes, so the base and every stride
-    that is stepped over are multiples of 8 elements, and nonzero (a TMA tensor map takes no stride
-    0: an expanded k, or a gradient that arrives expanded), the last dimension contiguous."""
+    that is stepped over are multiples of 16 bytes (8 16-bit elements), and nonzero (a TMA tensor
+    map takes no stride 0: an expanded k, or a gradient that arrives expanded), the last dimension
+    contiguous."""
     if t.data_ptr() % 16:
         return False
-    if t.is_contiguous():  # the common case, one cheap test (d % 8 == 0)
+    if t.is_contiguous() and t.element_size() > 1:  # the common case, one cheap test (d % 8 == 0)
         return True
     *lead, last = t.stride()
-    return last == 1 and all(n == 1 or (s and not s % 8) for n, s in zip(t.shape, lead))  # a size-1 stride is never used
+    step = max(8, 16 // t.element_size())  # (elements: 8, or 16 for FP8)
+    return last == 1 and all(n == 1 or (s and not s % step) for n, s in zip(t.shape, lead))  # a size-1 stride is never used
 
 
 def aligned(t: torch.Tensor) -> torch.Tensor:

@@ -1050,10 +1050,11 @@ def test_the_signatures_are_flash_attns():
                "alibi_slopes", "num_splits", "return_softmax_lse"]
     varlen = ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dropout_p", "softmax_scale",
               "causal", "window_size", "softcap", "alibi_slopes", "deterministic", "return_lse", "block_table"]
-    for fn, names in ((flashgen.attention_with_kvcache, kvcache), (flashgen.attention_varlen, varlen)):
+    fp8 = ["q_descale", "k_descale", "v_descale", "out_dtype"]  # (FlashAttention-3's FP8 names, by name)
+    for fn, names, by_name in ((flashgen.attention_with_kvcache, kvcache, []), (flashgen.attention_varlen, varlen, fp8)):
         parameters = inspect.signature(fn).parameters.values()
         assert [p.name for p in parameters if p.kind == p.POSITIONAL_OR_KEYWORD] == names
-        assert [p.name for p in parameters if p.kind == p.KEYWORD_ONLY] == ["learnable_sink"]  # (flashgen's own, by name)
+        assert [p.name for p in parameters if p.kind == p.KEYWORD_ONLY] == ["learnable_sink", *by_name]  # (flashgen's own, by name)
     assert inspect.signature(flashgen.attention_with_kvcache).parameters["rotary_interleaved"].default is True
 
 

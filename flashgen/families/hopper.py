@@ -127,6 +127,9 @@ class HopperForward(Family):
         if spec.element.bytes == 1:
             # FP8: V comes transposed (keys contiguous, the K-major operand wgmma needs for 8-bit
             # types) in one 128-byte-swizzled box of 128 keys a tile; fixed-length sequences only
+            if spec.head_dim % 16 or spec.d_v % 16:
+                raise SpecError(f"dtype={spec.dtype!r}, {spec.dims_text}: FP8 head dims are multiples of 16 "
+                                "(TMA reads rows of whole 16 bytes)")
             if spec.block_n != 128:
                 raise SpecError(f"dtype={spec.dtype!r}, block_n={spec.block_n}: an FP8 forward runs block_n=128 "
                                 "(one 128-byte row of transposed V a head-dim row)")
@@ -225,7 +228,7 @@ class HopperForward(Family):
                 *([scalar("num_tiles", "int", self._tiles(spec))] if spec.persistent else []),
             ])
         # partial O tiles leave through plain clipped stores (o_ptr: `o` is the accumulator there)
-        clipped = [Param("o_ptr", "out_t* __restrict__", "ptr", "o.data_ptr()", "o"), *strides("o", "o", dims=PACKED)]
+        clipped = [Param("o_ptr", "out_elem_t* __restrict__", "ptr", "o.data_ptr()", "o"), *strides("o", "o", dims=PACKED)]
         # sequence b's key position pos is row pos % page_size of page block_table[b][pos / page_size]
         # and past the pages, the new keys of an append that had no place in them: k_new, v_new
         # (batch, seqlen_new, heads_kv, d), or none (seqlen_new 0: the caches stand in for the maps)
