@@ -32,15 +32,18 @@ def _well_formed(q, k, v) -> bool:
     )
 
 
-def check_inputs(q, k, v) -> None:
-    """Raise a clear error for anything the kernels cannot take."""
-    if _well_formed(q, k, v):
+def check_inputs(q, k, v, fp8: bool = False) -> None:
+    """Raise a clear error for anything the kernels cannot take. fp8: q, k, v are FP8, which
+    inputs.fp8 checks (not the 16-bit rule)."""
+    if not fp8 and _well_formed(q, k, v):
         return
     named = {"q": q, "k": k, "v": v}
     for name, t in named.items():
         inputs.tensor(name, t, 4, "(batch, heads, seq, head_dim), like F.scaled_dot_product_attention")
-        inputs.half_precision(name, t)
-    inputs.one_dtype(named)
+        if not fp8:
+            inputs.half_precision(name, t)
+    if not fp8:
+        inputs.one_dtype(named)
     inputs.same("batch size", {name: t.shape[0] for name, t in named.items()})
     inputs.same("number of heads", {"k": k.shape[1], "v": v.shape[1]})
     inputs.query_groups(q.shape[1], k.shape[1])
@@ -166,32 +169,22 @@ def call(q, k, v, causal, scale, return_lse, deterministic, spec: KernelSpec | N
 
 def _fp8_call(q, k, v, causal, scale, return_lse, spec, q_descale, k_descale, v_descale, out_dtype, **keywords):
     """attention() with FP8 inputs: checked, then the FP8 forward (flashgen.ops.fp8_forward)."""
-    named = {"q": q, "k": k, "v": v}
-    for name, t in named.items():
-        inputs.tensor(name, t, 4, "(batch, heads, seq, head_dim), like F.scaled_dot_product_attention")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        inputs.tensor(name, t)
     if q.dtype not in FP8_DTYPES:
         raise TypeError(f"q has dtype {q.dtype}: q_descale, k_descale, v_descale and out_dtype are for FP8 inputs "
                         "(torch.float8_e4m3fn q, k and v)")
-    inputs.same("batch size", {name: t.shape[0] for name, t in named.items()})
-    inputs.same("number of heads", {"k": k.shape[1], "v": v.shape[1]})
-    inputs.query_groups(q.shape[1], k.shape[1])
-    inputs.same("sequence length", {"k": k.shape[2], "v": v.shape[2]})
-    inputs.head_dims(q.shape[3], k.shape[3], v.shape[3])
+    descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
     if out_dtype is None:  # bf16, or what a prebuilt kernel writes
         out_dtype = torch.bfloat16 if spec is None else getattr(torch, spec.output_element.torch)
-    inputs.fp8(named, {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}, out_dtype,
-               q.shape[0], k.shape[1])
-    inputs.last_dim_contiguous(named)
-    inputs.on_one_cuda_device("attention", {**named, "q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale})
+    inputs.fp8({"q": q, "k": k, "v": v}, descales, out_dtype, q.shape[0], k.shape[1])
+    check_inputs(q, k, v, fp8=True)
+    inputs.on_one_cuda_device("attention", descales)
     learning = [name for name, value in keywords.items() if isinstance(value, torch.Tensor) and value.requires_grad]
     if learning and torch.is_grad_enabled():
         raise RuntimeError(f"{inputs.listed(learning)} require{'s' if len(learning) == 1 else ''} grad: FP8 attention is "
                            "forward-only (as FlashAttention-3's); run it under torch.no_grad()")
-    chosen = variants.PLAIN
-    if (keywords["alibi_slopes"] is not None or keywords["softcap"] or tuple(keywords["window_size"]) != (-1, -1)
-            or keywords["learnable_sink"] is not None or keywords["score_mod"] is not None or keywords["mask_mod"] is not None
-            or spec is not None):
-        chosen = call_variant(q, k, causal, **keywords)
+    chosen = variants.make_if_given(lambda: variants.Call(causal, q.shape[0], q.shape[1], q.device, keys=k.shape[-2]), **keywords)
     kernel = ""
     if spec is not None:  # a prebuilt FP8 kernel: its output type too
         chosen = _prebuilt(spec, q, k, v, causal, chosen, keywords, FP8_DTYPES)
