@@ -97,7 +97,7 @@ def read_table(path: Path) -> dict:
     return doc
 
 
-_CHOICES = {"dtype": ("bf16", "fp16", "*"), "causal": (True, False, "*"), "bucket": ("short", "long", "*"),
+_CHOICES = {"dtype": ("bf16", "fp16", "e4m3", "*"), "causal": (True, False, "*"), "bucket": ("short", "long", "*"),
             **dict.fromkeys(OPTIONAL_FIELDS, (True, False, "*"))}  # (True == 1: causal 1 is read as true)
 
 
@@ -162,21 +162,22 @@ def _exactness(entry: dict) -> int:
 
 
 def candidates(kind: str, head_dim: int, dtype: str, causal: bool, arch: str, bucket: str, varlen: bool = False,
-               variant: bool = False, head_dim_v: int = 0, **tuned_apart: bool) -> list[dict]:
+               variant: bool = False, head_dim_v: int = 0, exact_dtype: bool = False, **tuned_apart: bool) -> list[dict]:
     """Tile shapes for a problem, best first: the entries of the smallest bound, more exact first
     (overrides from `override` before all), then those of larger bounds as a fallback. `head_dim_v`:
     V's head dim where it has one of its own (0: none; entries naming one serve only it). `variant`:
     the kernel has an attention variant (entries with "variant": true are for those alone);
     `tuned_apart`: by their tuning keys (variants.TUNING_KEYS), the variants on that the table
     tunes apart (a user mask rule; softcap, whose tanh shares the exponentials' unit, which moves
-    the forward's exp2_fma)."""
+    the forward's exp2_fma). exact_dtype: only entries that name `dtype` (not "*")."""
     unknown = set(tuned_apart) - set(variants.TUNING_KEYS)
     if unknown:
         raise TypeError(f"candidates: {', '.join(sorted(unknown))} is not a tuning key ({', '.join(variants.TUNING_KEYS)})")
     problem = {"kind": kind, "dtype": dtype, "causal": causal, "arch": arch, "bucket": bucket, "varlen": varlen,
                "variant": variant, **dict.fromkeys(variants.TUNING_KEYS, False), **tuned_apart}
     entries = [e for e in _overrides + table()["entries"]
-               if _matches(e, problem) and e["head_dim"] >= head_dim and e.get("head_dim_v", head_dim_v) == head_dim_v]
+               if _matches(e, problem) and e["head_dim"] >= head_dim and e.get("head_dim_v", head_dim_v) == head_dim_v
+               and (not exact_dtype or e.get("dtype") == dtype)]
     entries.sort(key=lambda e: (e["head_dim"], e not in _overrides, -_exactness(e)))
     return [tiles for entry in entries for tiles in entry["tiles"]]
 
@@ -280,16 +281,31 @@ def forward_spec(head_dim: int, dtype: str, causal: bool, arch: str, seqlen_q: i
     return mma_forward_spec(head_dim, dtype, causal, arch, seqlen_q, varlen, variant, head_dim_v)
 
 
+FP8_TILES = {"block_m": 128, "block_n": 128, "num_stages": 2}  # where the table has no e4m3 entry
+
+
 def fp8_forward_spec(head_dim: int, out_dtype: str, causal: bool, arch: str, variant: tuple[str, ...] = (),
                      head_dim_v: int = 0, varlen: bool = False) -> KernelSpec:
-    """The FP8 forward (e4m3 q, k, v; the output in out_dtype; varlen: packed sequences): the
-    Hopper family at 128 x 128, the tile its transposed V's one 128-byte row of keys fixes (sm_90a
-    only)."""
+    """The FP8 forward (e4m3 q, k, v; the output in out_dtype; varlen: packed sequences) on the
+    Hopper family (sm_90a only): the first valid tiles of the table's e4m3 entries (`flashgen tune
+    --dtype e4m3` writes them; entries for any dtype are the 16-bit kernels' and do not count),
+    else FP8_TILES (block_n is always 128: one 128-byte row of transposed V's keys)."""
     from .families import family
 
     family("fwd_sm90").check_arch("fwd_sm90", arch)
-    return KernelSpec(kind="fwd_sm90", head_dim=head_dim, head_dim_v=head_dim_v, dtype="e4m3", out_dtype=out_dtype, causal=causal,
-                      arch=arch, block_m=128, block_n=128, num_stages=2, varlen=varlen, **variant_fields(variant))
+    check_head_dim(head_dim)
+    own_v = head_dim_v if head_dim_v and head_dim_v != head_dim else 0
+    tuned = candidates("fwd_sm90", max(head_dim, own_v), "e4m3", causal, arch, "long", varlen, bool(variant), own_v,
+                       exact_dtype=True)
+    error = None
+    for tiles in [*tuned, FP8_TILES]:
+        try:
+            return KernelSpec(kind="fwd_sm90", head_dim=head_dim, head_dim_v=head_dim_v, dtype="e4m3", out_dtype=out_dtype,
+                              causal=causal, arch=arch, varlen=varlen, **({**tiles, "persistent": False} if varlen else tiles),
+                              **variant_fields(variant))
+        except SpecError as rejected:
+            error = rejected
+    raise error
 
 
 def paged_forward_spec(head_dim: int, dtype: str, causal: bool, arch: str, seqlen_q: int, variant: tuple[str, ...] = (),

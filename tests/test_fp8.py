@@ -55,7 +55,7 @@ def test_fp8_specs_name_their_types_and_refuse_what_they_cannot_run():
         KernelSpec(head_dim=128, dtype="e4m3", out_dtype="bf16", arch="sm_90a")
     with pytest.raises(SpecError, match="needs sm_90a"):
         tuning.fp8_forward_spec(128, "bf16", True, "sm_80")
-    with pytest.raises(SpecError, match="at this head dim, fewer variants"):
+    with pytest.raises(SpecError, match="at this head dim, block_m=128 or fewer variants"):
         tuning.fp8_forward_spec(256, "bf16", True, "sm_90a", ("window",))
     assert KernelSpec(head_dim=64, kind="fwd_sm90", block_m=128, block_n=128, out_dtype="bf16").out_dtype == ""  # (bf16's own)
 

@@ -1,10 +1,8 @@
 """GPU tier: the FP8 (e4m3) forward against the fp32 oracle on the dequantized inputs, by the FP8
-numerics rule (README): its error is at most 1.5x that of the same computation in PyTorch, bf16
-inputs' products in fp32 with P rounded to e4m3 the way the kernel rounds it (2^8 above the row's
-max), on standard normal inputs and on inputs with 0.1 % outliers of 10x (FlashAttention-3's
+numerics rule (README): its error is at most 1.5x that of the same computation in PyTorch
+(reference.fp8_emulated: bf16 inputs' products in fp32, P rounded to e4m3 the way the kernel rounds
+it, 2^8 above the row's max), on standard normal inputs and on inputs with 0.1 % outliers of 10x (FlashAttention-3's
 test). The RMSEs are printed for BENCHMARKS.md."""
-
-import math
 
 import pytest
 import torch
@@ -47,23 +45,8 @@ def problem(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, head_dim_v=Non
 
 
 def emulated(q, k, v, qd, kd, vd, causal):
-    """The same computation in PyTorch: dequantized inputs in bf16, products accumulated in fp32,
-    P = 2^8 exp(s - m) rounded to e4m3 for P V, divided by the unrounded sum."""
-    group = q.shape[1] // k.shape[1]
-
-    def deq(x, descale, repeat):  # a head's descale is its KV head's; k and v repeated over the group
-        x = (x.float() * descale.repeat_interleave(x.shape[1] // descale.shape[1], dim=1)[:, :, None, None])
-        return x.to(torch.bfloat16).float().repeat_interleave(repeat, dim=1)
-
-    qf, kf, vf = deq(q, qd, 1), deq(k, kd, group), deq(v, vd, group)
-    s = qf @ kf.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if causal:
-        tq, tk = s.shape[-2:]
-        s = s.masked_fill(torch.ones(tq, tk, dtype=torch.bool, device=s.device).triu(tk - tq + 1), -math.inf)
-    m = s.amax(-1, keepdim=True).clamp_min(-1e30)
-    e = torch.exp(s - m) * 256.0
-    p8 = e.to(E4M3).float()
-    return ((p8 @ vf) / e.sum(-1, keepdim=True)).to(torch.bfloat16)
+    """The rule's yardstick: the same computation in PyTorch (flashgen.reference.fp8_emulated)."""
+    return reference.fp8_emulated(q, k, v, causal, q_descale=qd, k_descale=kd, v_descale=vd)
 
 
 def rmse(a, b):

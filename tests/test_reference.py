@@ -400,3 +400,25 @@ def test_fp8_arguments_are_refused_by_name_where_they_do_not_apply():
         naive_attention(fp8, fp8, fp8, out_dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="out_dtype="):
         naive_attention(q, q, q, out_dtype=torch.bfloat16)
+
+
+def test_the_fp8_yardstick_rounds_p_to_e4m3_above_the_row_max():
+    """reference.fp8_emulated: FP8 inputs dequantized, P = 2^8 exp(s - m) rounded to e4m3 for P V.
+    Close to the fp32 oracle (the rounding's error, not more), unchanged where P's rounding is
+    exact (one key: P = 256), and a row that sees no key gives 0."""
+    import torch
+
+    from flashgen import reference
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, 32).to(torch.float8_e4m3fn) for _ in range(3))
+    descale = torch.full((1, 2), 0.5)
+    got = reference.fp8_emulated(q, k, v, True, q_descale=descale, k_descale=descale, v_descale=descale)
+    exact = reference.naive_attention(q, k, v, causal=True, q_descale=descale, k_descale=descale, v_descale=descale,
+                                      out_dtype=torch.float32)
+    error = (got.float() - exact).abs().max().item()
+    assert 0 < error < 0.05
+    one = reference.fp8_emulated(q[:, :, :1], k[:, :, :1], v[:, :, :1], v_descale=descale)
+    assert torch.equal(one.float(), (v[:, :, :1].float() * 0.5).to(torch.bfloat16).float())
+    none_seen = reference.fp8_emulated(q[:, :, :3], k[:, :, :1], v[:, :, :1], True)  # query rows 0, 1 see no key
+    assert torch.equal(none_seen[:, :, :2].float(), torch.zeros(1, 2, 2, 32))

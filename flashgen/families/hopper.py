@@ -147,7 +147,7 @@ class HopperForward(Family):
         if spec.element.bytes == 1:  # (FP8's limit is its plain kernel's: a variant's registers come on top)
             held += sum(d.registers for d in variants.on(spec) if not d.rule)
         if held > limit:
-            fix = "(the FP8 forward's tile is 128 x 128: at this head dim, fewer variants)" if spec.element.bytes == 1 \
+            fix = "(FP8 tiles are 128 keys wide: at this head dim, block_m=128 or fewer variants)" if spec.element.bytes == 1 \
                 else "(use a smaller block_n)"
             raise SpecError(
                 f"block_m={spec.block_m}, block_n={spec.block_n}, {spec.dims_text}{''.join(f', {v}' for v in spec.variants)}: "
