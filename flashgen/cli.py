@@ -471,8 +471,8 @@ def _need_matplotlib() -> None:
 @main.command()
 @click.option("--d", "head_dims", default="64,128", show_default=True, callback=_ints,
               help="head dims to tune (comma-separated list)")
-@click.option("--dtype", "dtypes", default="bf16", show_default=True, callback=_words(("bf16", "fp16")),
-              help="bf16, fp16 or both")
+@click.option("--dtype", "dtypes", default="bf16", show_default=True, callback=_words(("bf16", "fp16", "e4m3"), both=("bf16", "fp16")),
+              help="bf16, fp16, both, or e4m3 (the FP8 forward's tiles); a comma list")
 @click.option("--mask", "masks", default="full,causal", show_default=True, callback=_words(("full", "causal")),
               help="full, causal or both (comma-separated list)")
 @click.option("--kinds", default=None, callback=_words(KINDS),

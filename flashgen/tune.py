@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from . import bench, tuning
-from .reference import naive_attention
+from .axes import ELEMENT_TYPES
+from .reference import fp8_emulated, naive_attention
 from .spec import DEFAULTS, KernelSpec, SpecError
 
 TOP = 3  # shapes kept per entry: the best, and fallbacks for targets where it is not valid
@@ -47,6 +48,11 @@ class Problem:
     bucket: str  # "long" or "short" (query rows <= tuning.SHORT_QUERY)
 
     @property
+    def fp8(self) -> bool:
+        """FP8 inputs: the FP8 forward (bf16 output), checked by the FP8 rule, timed on quantized inputs."""
+        return not ELEMENT_TYPES[self.dtype].output
+
+    @property
     def backward(self) -> bool:
         return self.kind.startswith("bwd")
 
@@ -65,8 +71,11 @@ def problems(head_dims, dtypes, causals, arch: str, kinds=None) -> list[Problem]
     piece of both modes), or just `kinds`."""
     found = []
     for head_dim, dtype, causal in itertools.product(head_dims, dtypes, causals):
-        picked = [(tuning.forward_spec(head_dim, dtype, causal, arch, t).kind, tuning.bucket_name(t)) for t in (4096, 1)]
-        for deterministic in (False, True):
+        if not ELEMENT_TYPES[dtype].output:  # FP8: its forward alone (no backward), whatever the length
+            picked = [(tuning.forward_spec(head_dim, dtype, causal, arch, 4096).kind, "long")]
+        else:
+            picked = [(tuning.forward_spec(head_dim, dtype, causal, arch, t).kind, tuning.bucket_name(t)) for t in (4096, 1)]
+        for deterministic in (False, True) if ELEMENT_TYPES[dtype].output else ():
             picked += [(s.kind, "*") for s in tuning.backward_specs(head_dim, dtype, causal, arch, deterministic)]
         for kind, bucket in dict.fromkeys(picked):
             if kinds is None or kind in kinds:
@@ -83,7 +92,8 @@ def candidates(problem: Problem) -> list[KernelSpec]:
     for values in itertools.product(*space.values()):
         try:
             specs.append(KernelSpec(head_dim=problem.head_dim, dtype=problem.dtype, causal=problem.causal,
-                                    arch=problem.arch, kind=problem.kind, **dict(zip(space, values))))
+                                    arch=problem.arch, kind=problem.kind, **({"out_dtype": "bf16"} if problem.fp8 else {}),
+                                    **dict(zip(space, values))))
         except SpecError:
             continue
     return specs
@@ -121,9 +131,37 @@ def tiles_of(spec: KernelSpec) -> dict:
     return {**{field: getattr(spec, field) for field in family.tune_space}, **knobs}
 
 
+def _fp8_inputs(q, k, v):
+    """q, k, v quantized to e4m3 with a descale per batch and head (FlashAttention-3's)."""
+    quantized = []
+    for t in (q, k, v):
+        descale = t.float().abs().amax(dim=(2, 3)).clamp_min(1e-12) / 448.0
+        quantized += [(t.float() / descale[:, :, None, None]).to(torch.float8_e4m3fn), descale.contiguous()]
+    return quantized
+
+
+def _check_fp8(problem: Problem, q, k, v) -> str | None:
+    """The FP8 rule (README): the error against the fp32 oracle at most 1.5x reference.fp8_emulated's."""
+    from .api import attention
+
+    q8, qd, k8, kd, v8, vd = _fp8_inputs(q, k, v)
+    descales = {"q_descale": qd, "k_descale": kd, "v_descale": vd}
+    with torch.no_grad():
+        got = attention(q8, k8, v8, causal=problem.causal, **descales)
+    exact = naive_attention(q8, k8, v8, problem.causal, **descales, out_dtype=torch.float32)
+    emulated = fp8_emulated(q8, k8, v8, problem.causal, **descales)
+    error, bound = ((x.float() - exact).pow(2).mean().sqrt().item() for x in (got, emulated))
+    return None if error <= 1.5 * bound else f"out: RMSE {error:.3g} > 1.5 x {bound:.3g}"
+
+
 def check(problem: Problem) -> str | None:
     """None when the overridden kernels agree with the reference by the numerics rule, else why not."""
     batch, heads, seqlen_q, seqlen_k = CHECK_SHAPE[problem.bucket]
+    if problem.fp8:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(batch, heads, seqlen_q, problem.head_dim, device="cuda", generator=gen)
+        k, v = (torch.randn(batch, heads, seqlen_k, problem.head_dim, device="cuda", generator=gen) for _ in range(2))
+        return _check_fp8(problem, q, k, v)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[problem.dtype]
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(batch, heads, seqlen_q, problem.head_dim, device="cuda", dtype=dtype, generator=gen)
@@ -179,7 +217,7 @@ def runs(problem: Problem, spec: KernelSpec) -> bool:
 
 def measure(problem: Problem, seqlen: int) -> float:
     """TFLOPS of the problem's pass at the bench's shapes (16k tokens, model dim 2048)."""
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[problem.dtype]
+    dtype = torch.bfloat16 if problem.fp8 else {"bf16": torch.bfloat16, "fp16": torch.float16}[problem.dtype]
     q, k, v = bench._inputs(seqlen, problem.head_dim, dtype)
     if TIMED_SEQLEN_Q[problem.bucket]:
         q = q[:, :, : TIMED_SEQLEN_Q[problem.bucket]].contiguous()
@@ -187,6 +225,13 @@ def measure(problem: Problem, seqlen: int) -> float:
 
     def run(q, k, v, causal):
         return attention(q, k, v, causal=causal, deterministic=problem.deterministic)
+
+    if problem.fp8:  # the FP8 forward on the same inputs, quantized
+        q, qd, k, kd, v, vd = _fp8_inputs(q, k, v)
+
+        def run(q, k, v, causal):  # noqa: F811  (the FP8 call)
+            with torch.no_grad():
+                return attention(q, k, v, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
 
     batch, heads, seqlen_q, _ = q.shape
     mode = "bwd" if problem.backward else "fwd"

@@ -214,3 +214,22 @@ def test_fp8_varlen_input_errors_are_named():
         flashgen.attention_varlen(q, k, k, *cu, 20, 25, k_descale=torch.ones(3, 2))
     with pytest.raises(TypeError, match="v has dtype torch.bfloat16; with FP8 inputs"):
         flashgen.attention_varlen(q, k, k.to(torch.bfloat16), *cu, 20, 25)
+
+
+def test_tune_sweeps_fp8_tiles_and_the_tables_e4m3_entries_pick_them():
+    """`flashgen tune --dtype e4m3`: the FP8 forward's problems (no backward, one length bucket),
+    its candidates (128 keys wide; block_m 128 or 192, 2 or 3 stages, persistent or not), and the
+    entry it writes (dtype e4m3) is what fp8_forward_spec picks; entries for any dtype are not."""
+    from flashgen import tune
+
+    problems = tune.problems((64,), ("e4m3",), (True,), "sm_90a")
+    assert [problem.label() for problem in problems] == ["fwd_sm90 d=64 e4m3 causal long"] and problems[0].fp8
+    shapes = {(spec.block_m, spec.block_n, spec.num_stages, spec.persistent) for spec in tune.candidates(problems[0])}
+    assert {(128, 128, 2, False), (192, 128, 3, True)} <= shapes and {n for _, n, _, _ in shapes} == {128}
+    entry = tune.entry_for(problems[0], [{"block_m": 192, "block_n": 128, "num_stages": 3}])
+    assert tuning.table_problem({"entries": [entry]}) is None
+    with tuning.override([entry]):
+        assert tuning.fp8_forward_spec(64, "bf16", True, "sm_90a").block_m == 192
+    anything = {**entry, "dtype": "*", "tiles": [{"block_m": 192, "block_n": 128, "num_stages": 3}]}
+    with tuning.override([anything]):
+        assert tuning.fp8_forward_spec(64, "bf16", True, "sm_90a").block_m == 128  # (16-bit tiles do not count)
