@@ -123,6 +123,18 @@ def forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, causal:
 # thread's e4m3 registers of P hold them (templates/fwd_sm90_consumer.cuh.j2, convert_p: position
 # 4 t + b is key 2 t + b % 2 + 8 (b / 2)), so P needs no exchange between lanes.
 FP8_KEY_ORDER = tuple(2 * (k // 4) + (k % 4) % 2 + 8 * ((k % 4) // 2) for k in range(16))
+_key_orders: dict = {}
+
+
+def _key_order(device, inverse: bool = False) -> torch.Tensor:
+    """FP8_KEY_ORDER (or its inverse: where each key goes) on `device`, made once: a host-to-device
+    copy on every call would wait for the copy and could not be captured in a CUDA graph."""
+    key = (device, inverse)
+    order = _key_orders.get(key)
+    if order is None:
+        order = torch.tensor(FP8_KEY_ORDER, device=device)
+        order = _key_orders[key] = order.argsort() if inverse else order
+    return order
 
 
 def fp8_values(v: torch.Tensor) -> torch.Tensor:
@@ -133,8 +145,7 @@ def fp8_values(v: torch.Tensor) -> torch.Tensor:
     bytes_ = v.view(torch.uint8).transpose(2, 3)
     if keys % 16:
         bytes_ = torch.nn.functional.pad(bytes_, (0, 16 - keys % 16))
-    order = torch.tensor(FP8_KEY_ORDER, device=v.device)
-    grouped = bytes_.reshape(batch, kv_heads, head_dim_v, -1, 16).index_select(4, order)
+    grouped = bytes_.reshape(batch, kv_heads, head_dim_v, -1, 16).index_select(4, _key_order(v.device))
     return grouped.reshape(batch, kv_heads, head_dim_v, -1).view(v.dtype)
 
 
@@ -152,8 +163,7 @@ def fp8_values_varlen(v: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Tens
         token = torch.arange(total, device=v.device)
         sequence = (torch.searchsorted(cu[1:], token, right=True)).clamp_max(max(batch - 1, 0))
         at = 16 * ((cu[sequence] + 15) // 16 + sequence) + token - cu[sequence]  # each key's position, in order
-        inverse = torch.tensor(FP8_KEY_ORDER, device=v.device).argsort()  # key k of a group goes to position inverse[k]
-        at = at - at % 16 + inverse[at % 16]
+        at = at - at % 16 + _key_order(v.device, inverse=True)[at % 16]  # key k of a group goes to position inverse[k]
         out.index_copy_(2, at, v.view(torch.uint8).permute(1, 2, 0))
     return out[None].view(v.dtype)
 
