@@ -233,3 +233,42 @@ def test_tune_sweeps_fp8_tiles_and_the_tables_e4m3_entries_pick_them():
     anything = {**entry, "dtype": "*", "tiles": [{"block_m": 192, "block_n": 128, "num_stages": 3}]}
     with tuning.override([anything]):
         assert tuning.fp8_forward_spec(64, "bf16", True, "sm_90a").block_m == 128  # (16-bit tiles do not count)
+
+
+def test_an_fp8_call_s_values_reach_its_kernel(monkeypatch):
+    """The FP8 plans, fixed-length and packed, with the driver stubbed: the packer finds every value
+    (descales, cu_seqlens), V's tensor map is over transposed V (d_v_pad rows by 128 keys a box),
+    Q's and K's boxes are 128 elements wide, O's 64, and the grid is the forward's."""
+    import ctypes
+
+    from test_launch import StubDriver
+
+    from flashgen import kernels, plans, runtime
+    from flashgen.families import hopper
+    from flashgen.kernels import Kernel
+
+    stub = StubDriver()
+    monkeypatch.setattr(runtime, "driver", lambda: stub)
+    monkeypatch.setattr(runtime, "_current_stream", lambda device: 0xABC0)
+    monkeypatch.setitem(runtime._contexts, -1, None)
+    monkeypatch.setattr(runtime.Module, "function", lambda self, device, symbol, smem: ctypes.c_void_p(0x77))
+    monkeypatch.setattr(kernels, "get", lambda spec: Kernel(spec, b""))
+    monkeypatch.setattr(plans, "_plans", {})
+    monkeypatch.setitem(plans._arch, -1, "sm_90a")
+    maps = []
+    monkeypatch.setattr(hopper, "tensor_map_helper", lambda: {"tensor_map": lambda t, rows, cols=None: maps.append(
+        (tuple(t.shape), t.dtype, rows, cols or 128 // t.element_size())) or bytes(128)})
+    q, k, v = fp8(2, 4, 300, 128), fp8(2, 2, 333, 128), fp8(2, 2, 333, 96)
+    descale = torch.ones(2, 2)
+    o, lse = ops.fp8_forward(q, k, v, descale, descale, None, None, None, 0, True, 0.1, torch.bfloat16, True, ())
+    assert o.shape == (2, 4, 300, 96) and o.dtype == torch.bfloat16 and lse.shape == (2, 4, 300)
+    assert maps == [((2, 4, 300, 128), torch.float8_e4m3fn, 128, 128), ((2, 2, 333, 128), torch.float8_e4m3fn, 128, 128),
+                    ((2, 2, 96, 336), torch.float8_e4m3fn, 128, 128), ((2, 4, 300, 96), torch.bfloat16, 64, 64)]
+    assert stub.launches[-1]["grid"] == (3, 4, 2)
+    maps.clear()
+    cu_q, cu_k = torch.tensor([0, 100, 300], dtype=torch.int32), torch.tensor([0, 33, 333], dtype=torch.int32)
+    o, lse = ops.fp8_forward(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), descale, None, None, cu_q, cu_k,
+                             200, False, 0.1, torch.float16, True, ())
+    assert o.shape == (300, 4, 96) and o.dtype == torch.float16 and lse.shape == (4, 300)
+    assert maps[2] == ((1, 2, 96, 16 * (-(-333 // 16) + 3)), torch.float8_e4m3fn, 128, 128)  # packed transposed V
+    assert stub.launches[-1]["grid"] == (2, 4, 2)
