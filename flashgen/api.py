@@ -146,12 +146,16 @@ def call(q, k, v, causal, scale, return_lse, deterministic, spec: KernelSpec | N
          q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
     """attention() with, optionally, the forward kernel fixed to `spec` (a prebuilt kernel's):
     the one path every public entry point takes."""
-    if getattr(q, "dtype", None) in FP8_DTYPES or out_dtype is not None or not q_descale is k_descale is v_descale is None:
+    q, k, v = ops.autocast_inputs(q, k, v)  # (FP8 inputs stay as they are)
+    well_formed = _well_formed(q, k, v)  # (check_inputs' fast test, once)
+    # FP8 (its arguments, or inputs the 16-bit fast test refuses that are FP8): a path of its own, off the hot one
+    if (out_dtype is not None or not q_descale is k_descale is v_descale is None
+            or (not well_formed and getattr(q, "dtype", None) in FP8_DTYPES)):
         return _fp8_call(q, k, v, causal, scale, return_lse, spec, q_descale, k_descale, v_descale, out_dtype,
                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink,
                          score_mod=score_mod, mask_mod=mask_mod)
-    q, k, v = ops.autocast_inputs(q, k, v)
-    check_inputs(q, k, v)
+    if not well_formed:
+        check_inputs(q, k, v)
     chosen, given = variants.PLAIN, {}
     if (alibi_slopes is not None or softcap or window_size != (-1, -1) or learnable_sink is not None or score_mod is not None
             or mask_mod is not None or spec is not None):  # (one cheap test for plain calls)
