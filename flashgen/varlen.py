@@ -115,10 +115,13 @@ def check_variant(q, cu_seqlens_q, max_seqlen_k, causal, window_size, softcap, a
 
 
 def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, window_size=(-1, -1),
-                 softcap=0.0, alibi_slopes=None, block_table=None, learnable_sink=None) -> variants.Variant:
+                 softcap=0.0, alibi_slopes=None, block_table=None, learnable_sink=None,
+                 well_formed: bool | None = None) -> variants.Variant:
     """Raise a clear error for anything the kernels cannot take (nothing that needs a sync);
-    returns the call's variants."""
-    if block_table is None and _well_formed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    returns the call's variants. well_formed: the fast test's answer where the caller has it."""
+    if well_formed is None:
+        well_formed = block_table is None and _well_formed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if well_formed:
         return check_variant(q, cu_seqlens_q, max_seqlen_k, causal, window_size, softcap, alibi_slopes, learnable_sink)
     check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=block_table)
     variant = check_variant(q, cu_seqlens_q, max_seqlen_k, causal, window_size, softcap, alibi_slopes, learnable_sink)
@@ -191,11 +194,14 @@ def attention_varlen(
     are left uncomputed, as in FlashAttention (there its last ones; here, where the query tiles run
     longest first, its first ones).
     """
-    if getattr(q, "dtype", None) in FP8_DTYPES or out_dtype is not None or not q_descale is k_descale is v_descale is None:
+    q, k, v = ops.autocast_inputs(q, k, v)  # (FP8 inputs stay as they are)
+    well_formed = block_table is None and _well_formed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    # FP8 (its arguments, or inputs the 16-bit fast test refuses that are FP8): a path of its own, off the hot one
+    if (out_dtype is not None or not q_descale is k_descale is v_descale is None
+            or (not well_formed and getattr(q, "dtype", None) in FP8_DTYPES)):
         return _fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                     window_size, softcap, alibi_slopes, return_lse, block_table, learnable_sink, q_descale, k_descale, v_descale,
                     out_dtype)
-    q, k, v = ops.autocast_inputs(q, k, v)
     check_no_dropout(dropout_p)
     if block_table is not None and torch.compiler.is_compiling():  # one op; its checks run when it runs
         o, lse = ops.attention_varlen_paged_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
@@ -203,7 +209,7 @@ def attention_varlen(
                                                float(softcap), alibi_slopes, learnable_sink)  # (variants.KEYWORDS' order)
         return (o, lse) if return_lse else o
     chosen = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_size, softcap,
-                          alibi_slopes, block_table, learnable_sink)
+                          alibi_slopes, block_table, learnable_sink, well_formed=well_formed)
     if block_table is not None:
         o, lse = ops.paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, bool(causal),
                                   inputs.softmax_scale(softmax_scale, q.shape[-1]), chosen, bool(return_lse))
