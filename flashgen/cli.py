@@ -210,6 +210,9 @@ def _entries(ctx, param, value):
               help="V's head dim where it differs from q's (DeepSeek's --d 192 --dv 128); attention and varlen calls")
 @click.option("--rotary", default="none", show_default=True, callback=_words(("none", *ROTARY_STYLES)),
               help="rotary styles of kvcache calls, comma-separated: none, interleaved (GPT-J), halves (GPT-NeoX)")
+@click.option("--kv-dtype", "kv_dtypes", default="same", show_default=True, callback=_words(("same", "e4m3")),
+              help="KV cache element types of kvcache and paged varlen calls, comma-separated: same (the calls' "
+                   "dtype), e4m3 (an FP8 cache with k_descale and v_descale)")
 @click.option("--from", "recorded", type=click.Path(dir_okay=False),
               help="build exactly the kernels a run recorded with FLASHGEN_RECORD=FILE (not with --d)")
 @click.option("--spec", "spec_texts", multiple=True,
@@ -221,7 +224,7 @@ def _entries(ctx, param, value):
               help="parallel compile processes (default: one per core)")
 @click.option("--with-backward/--no-backward", default=True, show_default=True,
               help="also build the backward kernels (fast and deterministic) of attention and varlen")
-def build(out, jobs, with_backward, entries, layouts, head_dim_v, rotary, recorded, spec_texts, dry_run, **options):
+def build(out, jobs, with_backward, entries, layouts, head_dim_v, rotary, kv_dtypes, recorded, spec_texts, dry_run, **options):
     """Compile kernels ahead of time into a folder a deployment loads with flashgen.load(FOLDER).
 
     By default it makes every kernel flashgen.attention can pick for the head dims, dtypes and masks
@@ -233,7 +236,7 @@ def build(out, jobs, with_backward, entries, layouts, head_dim_v, rotary, record
     from . import aot
 
     try:
-        specs = _build_specs(entries, layouts, head_dim_v, rotary, recorded, spec_texts, with_backward, options)
+        specs = _build_specs(entries, layouts, head_dim_v, rotary, recorded, spec_texts, with_backward, options, kv_dtypes)
         backward = with_backward and not (recorded or spec_texts)
         plan = aot.with_backward(specs) if backward else specs
     except SpecError as error:
@@ -257,7 +260,7 @@ def build(out, jobs, with_backward, entries, layouts, head_dim_v, rotary, record
     _print_kernels(metas, f"built into {out}/")
 
 
-def _build_specs(entries, layouts, head_dim_v, rotary, recorded, spec_texts, with_backward, options) -> list:
+def _build_specs(entries, layouts, head_dim_v, rotary, recorded, spec_texts, with_backward, options, kv_dtypes=("same",)) -> list:
     """What `build` makes: the recorded or named specs, else the workload its options describe,
     else (tile options given) the attention forward kernels of those tiles."""
     from . import workload
@@ -287,6 +290,9 @@ def _build_specs(entries, layouts, head_dim_v, rotary, recorded, spec_texts, wit
         raise click.UsageError("--no-causal contradicts --causal " + ",".join(options["causal"]))
     if rotary != ["none"] and "kvcache" not in entries:
         raise click.UsageError("--rotary turns attention_with_kvcache's queries and keys: add --entry kvcache")
+    if list(kv_dtypes) != ["same"] and not ({"kvcache", "varlen"} & set(entries) and "paged" in layouts or "kvcache" in entries):
+        raise click.UsageError("--kv-dtype names the caches of attention_with_kvcache and paged attention_varlen: add "
+                               "--entry kvcache (or varlen with --kvcache paged)")
     if head_dim_v and "varlen" in entries and "paged" in layouts:
         layouts = [layout for layout in layouts if layout != "paged"]  # (no paged cache with V of its own head dim)
     if len(layouts) < len(workload.LAYOUTS) and not {"kvcache", "varlen"} & set(entries) and not head_dim_v:
@@ -297,6 +303,7 @@ def _build_specs(entries, layouts, head_dim_v, rotary, recorded, spec_texts, wit
         causal=(False,) if options["no_causal"] else tuple(c == "yes" for c in options["causal"]),
         archs=tuple(options["archs"]), entries=tuple(entries), variants=tuple(variants), layouts=tuple(layouts),
         rotary=tuple("" if style == "none" else style for style in rotary), backward=with_backward, head_dim_v=head_dim_v,
+        kv_dtypes=tuple("" if kv == "same" else kv for kv in kv_dtypes),
     ).specs()
 
 

@@ -63,6 +63,39 @@ def fp8(named: dict, descales: dict, out_dtype, batch: int, kv_heads: int) -> No
         raise ValueError(f"head_dim={q.shape[-1]} with FP8 inputs: it must be a multiple of 16 up to 256")
 
 
+def is_float8(t) -> bool:
+    """Whether t is a tensor of any float8 dtype (e4m3 or e5m2, fn/fnuz): an FP8 cache's check decides what is allowed."""
+    return isinstance(t, torch.Tensor) and t.dtype.is_floating_point and t.element_size() == 1
+
+
+def fp8_cache(q, caches: dict, descales: dict, batch: int, kv_heads: int) -> None:
+    """An FP8 KV cache (FlashAttention-3's and FlashInfer's): the caches (name: tensor) both
+    torch.float8_e4m3fn, q 16-bit, and both descales fp32 (batch, kv_heads): a cached key is its
+    stored value times its sequence's and KV head's descale."""
+    half_precision("q", q)
+    for name, t in caches.items():
+        if t.dtype not in FP8_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; an FP8 cache is torch.float8_e4m3fn (k and v both)")
+    for name, t in descales.items():
+        if t is None:
+            raise ValueError(f"{listed(caches)} are FP8: pass {name}, float32 of shape (batch, heads_kv) = ({batch}, "
+                             f"{kv_heads}) (a cached value is its stored one times its descale)")
+        tensor(name, t)
+        if t.dtype != torch.float32 or tuple(t.shape) != (batch, kv_heads):
+            raise ValueError(f"{name} must be float32 of shape (batch, heads_kv) = ({batch}, {kv_heads}); "
+                             f"got {t.dtype} of shape {tuple(t.shape)}")
+    if q.shape[-1] % 16:  # (a cache row is whole 16-byte chunks)
+        raise ValueError(f"head_dim={q.shape[-1]} with an FP8 cache: it must be a multiple of 16 up to 256")
+
+
+def no_cache_descales(descales: dict, dtype) -> None:
+    """Descales given with a 16-bit cache are refused by name (never ignored)."""
+    given = [name for name, t in descales.items() if t is not None]
+    if given:
+        raise ValueError(f"{listed(given)} {'is' if len(given) == 1 else 'are'} for an FP8 cache (torch.float8_e4m3fn); "
+                         f"the cache is {dtype}")
+
+
 def one_dtype(named: dict) -> None:
     """The tensors (name: tensor) share one dtype."""
     if len({t.dtype for t in named.values()}) > 1:

@@ -379,16 +379,19 @@ NO_STRIDES = (0, 0, 0, 0)  # of the new keys and values when there are none
 
 def kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, paged: bool, capacity: int, seqlen_new: int,
             scale: float, causal: bool, variant: variants.Variant, rotary: str, rotary_cos, rotary_sin,
-            cache_batch_idx, cache_leftpad, num_splits: int, need_lse: bool):
+            cache_batch_idx, cache_leftpad, num_splits: int, need_lse: bool, *, k_descale=None, v_descale=None):
     """(o, lse) of attention_with_kvcache's checked inputs: the decode plan for the shape, one
-    launch (split-KV merged inside it); lse (batch, heads, seqlen_q) fp32, or None."""
+    launch (split-KV merged inside it); lse (batch, heads, seqlen_q) fp32, or None. An FP8 cache
+    comes with its descales (fp32 (batch, heads_kv))."""
     batch, seqlen_q, heads, head_dim = q.shape
     o = torch.empty_like(q, memory_format=torch.contiguous_format)  # half of torch.empty's host cost
     lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device) if need_lse else None
     if o.numel() == 0:
         return o, lse
     device = q.get_device()
-    if paged and not rotary and cache_batch_idx is None and cache_leftpad is None:
+    kv_dtype = plans.FP8_DTYPES.get(k_cache.dtype, "")
+    # (an FP8 cache's long chunks run in the decode kernel too: the paged Hopper forward reads 16-bit pages)
+    if paged and not rotary and cache_batch_idx is None and cache_leftpad is None and not kv_dtype:
         prefill = plans.paged_prefill(device, head_dim, q.dtype, causal, seqlen_q, variant.fields)
         if prefill is not None:  # a long chunk: the Hopper forward reads the pages (the new keys stored in them first)
             return _paged_chunk(prefill, q, k_cache, v_cache, k, v, cache_seqlens, block_table, capacity, seqlen_new, o, lse,
@@ -397,9 +400,9 @@ def kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, paged: bool, 
     if variant.args:
         keys = min(keys, variant.keys_seen(seqlen_q) or keys)  # the most one block's windows see
     plan, splits = plans.decode(device, head_dim, q.dtype, paged, seqlen_q * (heads // k_cache.shape[2]), batch,
-                                k_cache.shape[2], keys, num_splits, variant.fields, rotary)
+                                k_cache.shape[2], keys, num_splits, variant.fields, rotary, kv_dtype=kv_dtype)
     values = decode_values(q, k_cache, v_cache, k, v, cache_seqlens, block_table, capacity, seqlen_new, o, lse, splits,
-                           causal, scale, variant)
+                           causal, scale, variant, k_descale=k_descale, v_descale=v_descale)
     if rotary or cache_batch_idx is not None or cache_leftpad is not None:  # (not the usual decode step)
         values.update(decode_extras(cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin))
     plan.run(device, values)
@@ -456,10 +459,10 @@ def _paged_chunk(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, ca
     "(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, Tensor? rotary_cos, Tensor? rotary_sin, "
     "Tensor? cache_seqlens, SymInt cache_len, Tensor? cache_batch_idx, Tensor? cache_leftpad, Tensor? block_table, "
     "float? softmax_scale, bool causal, bool rotary_interleaved, SymInt num_splits, bool return_softmax_lse, "
-    f"{variants.KEYWORD_SCHEMA}) -> (Tensor, Tensor)"))
+    f"Tensor? k_descale, Tensor? v_descale, {variants.KEYWORD_SCHEMA}) -> (Tensor, Tensor)"))
 def attention_with_kvcache_op(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len, cache_batch_idx,
                               cache_leftpad, block_table, softmax_scale, causal, rotary_interleaved, num_splits,
-                              return_softmax_lse, *keywords):
+                              return_softmax_lse, k_descale, v_descale, *keywords):
     """attention_with_kvcache as one op: cache_seqlens is the tensor, or else cache_len (-1: None);
     the variants' keywords as given (variants.KEYWORDS); lse is (0,) when not asked for (an op
     returns tensors)."""
@@ -468,8 +471,8 @@ def attention_with_kvcache_op(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
     lengths = cache_seqlens if cache_seqlens is not None else (None if cache_len < 0 else cache_len)
     out = attention_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, lengths, cache_batch_idx, cache_leftpad,
                                  block_table, softmax_scale, causal, rotary_interleaved=rotary_interleaved,
-                                 num_splits=num_splits, return_softmax_lse=return_softmax_lse,
-                                 **dict(zip(variants.KEYWORDS, keywords)))
+                                 num_splits=num_splits, return_softmax_lse=return_softmax_lse, k_descale=k_descale,
+                                 v_descale=v_descale, **dict(zip(variants.KEYWORDS, keywords)))
     out, lse = out if return_softmax_lse else (out, q.new_empty(0, dtype=torch.float32))
     return out, lse
 
@@ -477,17 +480,17 @@ def attention_with_kvcache_op(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
 @attention_with_kvcache_op.register_fake
 def _attention_with_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len, cache_batch_idx,
                                  cache_leftpad, block_table, softmax_scale, causal, rotary_interleaved, num_splits,
-                                 return_softmax_lse, *keywords):
+                                 return_softmax_lse, k_descale, v_descale, *keywords):
     batch, seqlen_q, heads, _ = q.shape
     lse_shape = (batch, heads, seqlen_q) if return_softmax_lse else (0,)
     return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 def decode_values(q, k_cache, v_cache, k, v, cache_seqlens, block_table, capacity, seqlen_new, o, lse, splits, causal,
-                  scale, variant: variants.Variant = variants.PLAIN) -> dict:
+                  scale, variant: variants.Variant = variants.PLAIN, *, k_descale=None, v_descale=None) -> dict:
     """What the decode plan's kernels take (families.decode.DecodeAttention.arguments): the
     tensors (copied where their rows are not 16-byte aligned; never the caches), the sizes read
-    once here, and the variants' values."""
+    once here, the variants' values, and an FP8 cache's descales."""
     batch, seqlen_q, heads, _ = q.shape
     if k is not None:
         k, v = aligned(k), aligned(v)
@@ -504,6 +507,8 @@ def decode_values(q, k_cache, v_cache, k, v, cache_seqlens, block_table, capacit
     }
     if variant.args:
         values.update(variant.values())
+    if k_descale is not None:
+        values.update(k_descale=k_descale, v_descale=v_descale)
     if block_table is not None:
         page_size = k_cache.shape[1]
         if block_table.stride(-1) != 1:
@@ -526,10 +531,11 @@ def decode_extras(cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin) -> dic
 
 
 def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, causal,
-                 scale, variant: variants.Variant, need_lse):
+                 scale, variant: variants.Variant, need_lse, *, k_descale=None, v_descale=None):
     """(o, lse) of packed queries over their pages of a paged cache: the decode plan's varlen
     kernel, sized by max_seqlen_q and max_seqlen_k (never by cu_seqlens' values, so a captured graph
-    replays with new ones); o like q, lse (heads, total_q) fp32 or None."""
+    replays with new ones); o like q, lse (heads, total_q) fp32 or None. An FP8 cache comes with
+    its descales (fp32 (batch, heads_kv))."""
     total_q, heads, head_dim = q.shape
     batch, page_size, kv_heads = cu_seqlens_q.shape[0] - 1, k_cache.shape[1], k_cache.shape[2]
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -538,16 +544,17 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         return o, lse
     device = q.get_device()
     max_seqlen_q = min(max_seqlen_q, total_q)  # no sequence is longer than the packed tensor (sizes the grid)
-    prefill = plans.paged_prefill(device, head_dim, q.dtype, causal, max_seqlen_q, variant.fields)
+    kv_dtype = plans.FP8_DTYPES.get(k_cache.dtype, "")
+    prefill = None if kv_dtype else plans.paged_prefill(device, head_dim, q.dtype, causal, max_seqlen_q, variant.fields)
     if prefill is not None:  # long query chunks: the Hopper forward, its producer reading the pages
         _run_paged_prefill(prefill, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, o, lse, scale,
                            variant)
         return o, lse
     capacity = block_table.shape[1] * page_size
     plan, splits = plans.decode(device, head_dim, q.dtype, True, max_seqlen_q * (heads // kv_heads), batch, kv_heads,
-                                min(max_seqlen_k, capacity), 0, variant.fields, "", True)
+                                min(max_seqlen_k, capacity), 0, variant.fields, "", True, kv_dtype=kv_dtype)
     values = decode_values(q[None], k_cache, v_cache, None, None, None, block_table, capacity, 0, o[None], lse, splits, causal,
-                           scale, variant)
+                           scale, variant, k_descale=k_descale, v_descale=v_descale)
     # launch_values read batch and seqlen_q off the (1, total_q, heads, d) view: the grid's are the
     # sequences and the longest one's queries.
     values.update(batch=batch, seqlen_q=max_seqlen_q, cu_seqlens_q=cu_seqlens_q.contiguous(),
@@ -558,22 +565,23 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
 
 @torch.library.custom_op("flashgen::attention_varlen_paged", mutates_args=(), device_types="cuda", schema=(
     "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, "
-    f"Tensor block_table, float? softmax_scale, bool causal, bool return_lse, {variants.KEYWORD_SCHEMA}) -> (Tensor, Tensor)"))
+    "Tensor block_table, float? softmax_scale, bool causal, bool return_lse, Tensor? k_descale, Tensor? v_descale, "
+    f"{variants.KEYWORD_SCHEMA}) -> (Tensor, Tensor)"))
 def attention_varlen_paged_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, softmax_scale,
-                              causal, return_lse, *keywords):
+                              causal, return_lse, k_descale, v_descale, *keywords):
     """attention_varlen over a paged cache as one op (what torch.compile records), the variants'
     keywords as given (variants.KEYWORDS); lse is (0,) when not asked for."""
     from .varlen import attention_varlen  # (the public function: it checks, then runs paged_varlen)
 
     out = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale,
-                           causal=causal, return_lse=return_lse, block_table=block_table,
-                           **dict(zip(variants.KEYWORDS, keywords)))
+                           causal=causal, return_lse=return_lse, block_table=block_table, k_descale=k_descale,
+                           v_descale=v_descale, **dict(zip(variants.KEYWORDS, keywords)))
     return out if return_lse else (out, q.new_empty(0, dtype=torch.float32))
 
 
 @attention_varlen_paged_op.register_fake
 def _attention_varlen_paged_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, softmax_scale,
-                                 causal, return_lse, *keywords):
+                                 causal, return_lse, k_descale, v_descale, *keywords):
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]) if return_lse else (0,), dtype=torch.float32)
 
 

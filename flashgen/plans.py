@@ -367,19 +367,20 @@ def _partials(values: dict) -> tuple:
 
 def decode(device: int, head_dim: int, dtype: torch.dtype, paged: bool, rows: int, batch: int, kv_heads: int,
            max_keys: int, splits: int = 0, variant: tuple[str, ...] = (), rotary: str = "",
-           varlen: bool = False) -> tuple[Plan, int]:
+           varlen: bool = False, *, kv_dtype: str = "") -> tuple[Plan, int]:
     """attention_with_kvcache's plan and its split count for a shape (and attention_varlen's over a
     paged cache, `varlen`): the decode kernel the tables pick for `rows` packed query rows per KV
     head (at most, with varlen) (with the variant fields `variant` names, and the rotary
     embedding's style `rotary`, "" for none); with
     more than one split (`splits`, or 0 for num_splits' choice over `max_keys`, the keys a block
     may see: the cache's capacity plus the new keys, or fewer through a window), fp32 partials in
-    scratch and the counts by which each row tile's last block knows to merge them."""
-    key = ("decode", device, head_dim, dtype, paged, rows, batch, kv_heads, max_keys, splits, variant, rotary, varlen)
+    scratch and the counts by which each row tile's last block knows to merge them. kv_dtype: an FP8
+    cache's element type ("" = dtype's)."""
+    key = ("decode", device, head_dim, dtype, paged, rows, batch, kv_heads, max_keys, splits, variant, rotary, varlen, kv_dtype)
     found = _plans.get(key)
     if found is None:
         arch = device_arch(device)
-        spec = tuning.decode_spec(head_dim, DTYPES[dtype], arch, paged, rows, variant, rotary, varlen)
+        spec = tuning.decode_spec(head_dim, DTYPES[dtype], arch, paged, rows, variant, rotary, varlen, kv_dtype=kv_dtype)
         chosen = splits or num_splits(
             batch * kv_heads * -(-rows // spec.block_m), -(-max_keys // spec.block_n),
             sm_count(device) * spec.family.blocks_per_sm(spec),

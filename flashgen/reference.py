@@ -476,7 +476,8 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, max_seqlen: int, name
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
                      causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                     return_lse=False, block_table=None, learnable_sink=None, upcast=True):
+                     return_lse=False, block_table=None, learnable_sink=None, upcast=True, *, k_descale=None,
+                     v_descale=None):
     """flashgen.attention_varlen in plain PyTorch, on any device (the CPU included): naive
     attention of each sequence alone, bottom-right causal within it, and so the variants
     (naive_attention's: the window and ALiBi aligned to each sequence's own end; alibi_slopes
@@ -489,6 +490,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     signature (this is deterministic, and has no dropout). With a block_table, k and v are a paged
     cache and sequence b's keys are the first cu_seqlens_k[b + 1] - cu_seqlens_k[b] positions of its
     pages (clamped to the table's capacity; a page outside the cache reads as zeros), as in the kernel.
+    A paged FP8 cache (float8_e4m3fn k and v, 16-bit q) comes with k_descale and v_descale, fp32
+    (batch, heads_kv), as attention_with_kvcache's.
     """
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0:
         raise ValueError(f"dropout_p={dropout_p!r}: flashgen computes exact attention without dropout; pass 0.0")
@@ -505,6 +508,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             raise ValueError(f"{name}={value!r}: must be a non-negative int, the longest sequence's length")
     batch = cu_seqlens_q.shape[0] - 1
     paged = block_table is not None
+    fp8_cache = paged and k.dtype in FP8 and q.dtype not in FP8
+    if fp8_cache:
+        k_scale, v_scale = _cache_descales(q, k, v, k_descale, v_descale, batch)
+        stored_k, stored_v = k, v
+        k, v = k.to(q.dtype), v.to(q.dtype)  # (for the checks below)
+    elif k_descale is not None or v_descale is not None:
+        raise ValueError("k_descale and v_descale (attention_varlen's reference) are for a paged FP8 cache (float8_e4m3fn)")
     kv_layout = ("num_blocks", "page_size", "heads_kv", "head_dim") if paged else ("total_k", "heads_kv", "head_dim")
     softmax_scale, window_size, softcap = _checked(
         q, k, v, ("total_q", "heads", "head_dim"), kv_layout, batch=batch, scale=softmax_scale, scale_name="softmax_scale",
@@ -521,7 +531,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             seq_k, seq_v = (t[k0:k1].transpose(0, 1)[None] for t in (k, v))
         else:
             positions = torch.arange(min(max(k1 - k0, 0), block_table.shape[1] * k.shape[1]), device=k.device)
-            seq_k, seq_v = (_cache_rows(t, seq, positions, block_table).transpose(0, 1)[None] for t in (k, v))
+            if fp8_cache:
+                seq_k, seq_v = (dequantize(_cache_rows(t, seq, positions, block_table), scale[seq], q.dtype, upcast).transpose(0, 1)[None]
+                                for t, scale in ((stored_k, k_scale), (stored_v, v_scale)))
+            else:
+                seq_k, seq_v = (_cache_rows(t, seq, positions, block_table).transpose(0, 1)[None] for t in (k, v))
         o, lse = _attention(seq_q, seq_k, seq_v, causal, softmax_scale, upcast, window_size, softcap,
                             _slopes_of(alibi_slopes, seq), sink=learnable_sink)
         outs.append(o[0].transpose(0, 1))
@@ -565,6 +579,35 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b):
         return torch.where(torch.isneginf(lse_s)[..., None], 0.0, torch.exp(lse_s - shift)[..., None] * wide(o_s))
 
     return (share(o_a, lse_a) + share(o_b, lse_b)).to(o_a.dtype), lse
+
+
+def quantize(x, descale):
+    """x stored in an FP8 cache with its descale (fp32, one per KV head: x (..., heads_kv, d) and
+    descale (heads_kv,)): x / descale in fp32 (IEEE division), saturated at +-448 and rounded to
+    nearest float8_e4m3fn; NaN stays NaN."""
+    return (x.float() / descale.to(x.device)[:, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
+def dequantize(x, descale, dtype, upcast=True):
+    """The values FP8 rows (..., heads_kv, d) stand for: the stored ones times their KV head's
+    descale, in fp32 (or, with upcast=False, rounded to `dtype`, the low-precision reference's)."""
+    values = x.float() * descale.to(x.device)[:, None]
+    return values if upcast else values.to(dtype)
+
+
+def _cache_descales(q, k_cache, v_cache, k_descale, v_descale, batch=None):
+    """An FP8 cache's checks: both caches float8_e4m3fn, q 16-bit, and both descales fp32 (batch,
+    heads_kv) (batch: q's first dimension unless given)."""
+    if k_cache.dtype != torch.float8_e4m3fn or v_cache.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"an FP8 cache is float8_e4m3fn, k_cache and v_cache both; got {k_cache.dtype} and {v_cache.dtype}")
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"q has dtype {q.dtype}; over an FP8 cache it must be float16 or bfloat16")
+    batch, kv_heads = q.shape[0] if batch is None else batch, k_cache.shape[2]
+    for name, descale in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if not (isinstance(descale, torch.Tensor) and descale.dtype == torch.float32 and tuple(descale.shape) == (batch, kv_heads)):
+            raise ValueError(f"{name} must be a float32 tensor of shape ({batch}, {kv_heads}) (batch, heads_kv) with an FP8 "
+                             f"cache; got {getattr(descale, 'dtype', type(descale).__name__)} {tuple(getattr(descale, 'shape', ()))}")
+    return k_descale, v_descale
 
 
 def _cache_rows(cache, b, positions, block_table):
@@ -632,7 +675,7 @@ def apply_rotary(x, cos, sin, positions, interleaved=True):
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                            cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                           return_softmax_lse=False, learnable_sink=None, upcast=True):
+                           return_softmax_lse=False, learnable_sink=None, upcast=True, *, k_descale=None, v_descale=None):
     """flashgen.attention_with_kvcache in plain PyTorch, on any device (the tests run it on the
     CPU). Like the kernel it appends k and v into k_cache and v_cache in place (pass copies to keep
     the originals), with the kernel's rules for bad input: a length is clamped to [0, capacity], a
@@ -648,7 +691,20 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
     variants (window_size, softcap, alibi_slopes (heads,) or (batch, heads)) are naive_attention's,
     aligned to each sequence's own length (its cache plus the new tokens), as the kernel does; a
     window side of at least the capacity is unbounded (FlashAttention's rule).
+
+    An FP8 cache (k_cache, v_cache float8_e4m3fn) comes with k_descale and v_descale, fp32 (batch,
+    heads_kv): a cached key is the stored one times its sequence's and KV head's descale. New keys
+    and values are stored quantize()d with them, and attended to as stored (dequantized), as the
+    kernel does.
     """
+    fp8_cache = k_cache.dtype in FP8
+    if fp8_cache:
+        k_scale, v_scale = _cache_descales(q, k_cache, v_cache, k_descale, v_descale)
+    elif k_descale is not None or v_descale is not None:
+        raise ValueError(f"k_descale and v_descale are for an FP8 cache (float8_e4m3fn); k_cache is {k_cache.dtype}")
+    stored_k_cache, stored_v_cache = k_cache, v_cache
+    if fp8_cache:  # (the checks below see the dequantized caches; appends go to the stored ones)
+        k_cache, v_cache = k_cache.to(q.dtype), v_cache.to(q.dtype)
     paged = block_table is not None
     cache_layout = ("num_blocks", "page_size", "heads_kv", "head_dim") if paged else ("batch_cache", "seqlen_cache",
                                                                                         "heads_kv", "head_dim")
@@ -683,8 +739,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
     outs, lses, new_keys = [], [], []
     for b in range(batch):
         positions = torch.arange(pads[b], ends[b], device=k_cache.device)
-        keys = _cache_rows(k_cache, b if paged else rows[b], positions, block_table)
-        values = _cache_rows(v_cache, b if paged else rows[b], positions, block_table)
+        keys = _cache_rows(stored_k_cache, b if paged else rows[b], positions, block_table)
+        values = _cache_rows(stored_v_cache, b if paged else rows[b], positions, block_table)
         queries = q[b]
         if rotary:  # new key j at ends[b] + j; query i there too with causal or a window, else at ends[b]
             tokens = torch.arange(seqlen_q, device=q.device)
@@ -693,14 +749,20 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
             turned = k[b]
             if rotary:
                 turned = apply_rotary(k[b], rotary_cos, rotary_sin, ends[b] + torch.arange(k.shape[1], device=k.device), rotary_interleaved)
-            new_keys.append(turned)
-            keys, values = torch.cat([keys, turned.to(keys.device)]), torch.cat([values, v[b].to(values.device)])
+            new_values = v[b]
+            if fp8_cache:  # stored quantized, and attended to as stored
+                turned, new_values = quantize(turned, k_scale[b]), quantize(new_values, v_scale[b])
+            new_keys.append((turned, new_values))
+            keys, values = torch.cat([keys, turned.to(keys.device)]), torch.cat([values, new_values.to(values.device)])
+        if fp8_cache:
+            keys, values = dequantize(keys, k_scale[b], q.dtype, upcast), dequantize(values, v_scale[b], q.dtype, upcast)
         o, lse = _attend(queries, keys.to(q.device), values.to(q.device), causal, scale, upcast, num_splits, window_size,
                          softcap, _slopes_of(alibi_slopes, b), learnable_sink)
         outs.append(o)
         lses.append(lse)
     if k is not None:  # the appends, after every read
-        for b, turned in enumerate(new_keys):
+        k_cache, v_cache = stored_k_cache, stored_v_cache
+        for b, (turned, new_values) in enumerate(new_keys):
             for j in range(k.shape[1]):
                 pos = ends[b] + j
                 if pos >= room[b]:
@@ -713,6 +775,6 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
                 else:
                     at = (rows[b], pos)
                 k_cache[at] = turned[j]
-                v_cache[at] = v[b, j]
+                v_cache[at] = new_values[j]
     out = torch.stack(outs)
     return (out, torch.stack(lses).float()) if return_softmax_lse else out

@@ -129,12 +129,13 @@ def _rotary_style(q, k, rotary_cos, rotary_sin, rotary_interleaved, capacity: in
 def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, causal=False,
                          window_size=(-1, -1), softcap=0.0, alibi_slopes=None, rotary_cos=None, rotary_sin=None,
                          rotary_interleaved=True, cache_batch_idx=None, cache_leftpad=None,
-                         learnable_sink=None) -> tuple[bool, int, int, variants.Variant, str]:
+                         learnable_sink=None, k_descale=None, v_descale=None) -> tuple[bool, int, int, variants.Variant, str]:
     """Raise a clear error for anything the decode kernels cannot take; returns (paged, capacity,
     seqlen_new, variant, rotary): whether the cache is paged, the keys one sequence's cache holds at
     most, the number of tokens appended, the call's variants, and the rotary embedding's style
-    ("" for none)."""
-    common = rotary_cos is None and rotary_sin is None and cache_batch_idx is None and cache_leftpad is None
+    ("" for none). An FP8 cache (k_cache, v_cache float8_e4m3fn) needs k_descale and v_descale."""
+    common = (rotary_cos is None and rotary_sin is None and cache_batch_idx is None and cache_leftpad is None
+              and k_descale is None and v_descale is None)
     found = _well_formed(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits) if common else None
     if found is not None:
         return (*found, _variant(q, causal, window_size, softcap, alibi_slopes, found[1], learnable_sink), "")
@@ -143,9 +144,14 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
     cache_layout = "(num_blocks, page_size, heads_kv, head_dim) with a block_table" if paged else "(batch, seqlen_cache, heads_kv, head_dim)"
     inputs.tensor("k_cache", k_cache, 4, cache_layout)
     inputs.tensor("v_cache", v_cache, 4, cache_layout)
-    inputs.half_precision("q", q)
-    inputs.one_dtype({"q": q, "k_cache": k_cache, "v_cache": v_cache})
     batch, seqlen_q, heads, head_dim = q.shape
+    if inputs.is_float8(k_cache) or inputs.is_float8(v_cache):
+        inputs.fp8_cache(q, {"k_cache": k_cache, "v_cache": v_cache}, {"k_descale": k_descale, "v_descale": v_descale}, batch,
+                         k_cache.shape[2])
+    else:
+        inputs.half_precision("q", q)
+        inputs.one_dtype({"q": q, "k_cache": k_cache, "v_cache": v_cache})
+        inputs.no_cache_descales({"k_descale": k_descale, "v_descale": v_descale}, k_cache.dtype)
     inputs.same(f"shape {cache_layout}", {"k_cache": tuple(k_cache.shape), "v_cache": tuple(v_cache.shape)})
     pages_or_batch, rows, kv_heads, cache_dim = k_cache.shape
     inputs.same("head_dim", {"q": head_dim, "k_cache": cache_dim})
@@ -202,7 +208,8 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
     inputs.on_one_cuda_device("attention_with_kvcache", {
         "q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "block_table": block_table,
         "cache_batch_idx": cache_batch_idx, "cache_leftpad": cache_leftpad, "rotary_cos": rotary_cos, "rotary_sin": rotary_sin,
-        "cache_seqlens": cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None})
+        "cache_seqlens": cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None, "k_descale": k_descale,
+        "v_descale": v_descale})
     return paged, capacity, seqlen_new, variant, rotary
 
 
@@ -210,12 +217,17 @@ def attention_with_kvcache(
     q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
     cache_leftpad=None, block_table=None, softmax_scale=None, causal: bool = False,
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, rotary_interleaved: bool = True, alibi_slopes=None,
-    num_splits: int = 0, return_softmax_lse: bool = False, *, learnable_sink=None,
+    num_splits: int = 0, return_softmax_lse: bool = False, *, learnable_sink=None, k_descale=None, v_descale=None,
 ):
     """Attention of q over a KV cache, appending new keys and values first: FlashAttention's
     `flash_attn_with_kvcache` (same names, layouts and semantics), for decoding and chunked prefill.
 
     q: (batch, seqlen_q, heads, head_dim), float16 or bfloat16, head_dim a multiple of 8 up to 256.
+    An FP8 cache (FlashAttention-3's, on GPUs with FP8: sm_89 and sm_90): k_cache and v_cache
+    torch.float8_e4m3fn with k_descale and v_descale, fp32 (batch, heads_kv); a cached key is its
+    stored value times its sequence's and KV head's descale, and head_dim a multiple of 16. The new
+    k and v (q's dtype) are stored divided by their descale, rounded to nearest e4m3 and saturated
+    at +-448 (never NaN from a finite value), and attended to as stored.
     k_cache, v_cache: (batch, seqlen_cache, heads_kv, head_dim), or paged (num_blocks, page_size,
     heads_kv, head_dim) with block_table (batch, max_blocks) int32 naming each sequence's pages in
     order; page_size a multiple of 16 from 16 to 256. heads is a multiple of heads_kv (GQA/MQA:
@@ -269,15 +281,16 @@ def attention_with_kvcache(
         length = -1 if cache_seqlens is None or lengths is not None else int(cache_seqlens)
         out, lse = ops.attention_with_kvcache_op(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, lengths, length, cache_batch_idx, cache_leftpad, block_table,
-            softmax_scale, causal, rotary_interleaved, num_splits, return_softmax_lse,
+            softmax_scale, causal, rotary_interleaved, num_splits, return_softmax_lse, k_descale, v_descale,
             [int(side) for side in window_size], float(softcap), alibi_slopes, learnable_sink)  # (variants.KEYWORDS' order)
         return (out, lse) if return_softmax_lse else out
     paged, capacity, seqlen_new, variant, rotary = check_kvcache_inputs(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, causal, window_size, softcap, alibi_slopes,
-        rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx, cache_leftpad, learnable_sink)
+        rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx, cache_leftpad, learnable_sink, k_descale, v_descale)
     out, lse = ops.kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, paged, capacity, seqlen_new,
                            inputs.softmax_scale(softmax_scale, q.shape[3]), causal, variant, rotary,
-                           rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, num_splits, return_softmax_lse)
+                           rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, num_splits, return_softmax_lse,
+                           k_descale=k_descale, v_descale=v_descale)
     return (out, lse) if return_softmax_lse else out
 
 

@@ -79,6 +79,9 @@ class KernelSpec:
                 accumulation is always fp32.
     out_dtype:  the output's type where it is not dtype's: "bf16" or "fp16" for an FP8 forward
                 ("" = dtype).
+    kv_dtype:   the KV cache's element type where it is not dtype's: "e4m3" for an FP8 cache read
+                with a descale per (sequence, KV head) and appended to with it (decode kernels;
+                "" = dtype).
     causal:     bottom-right aligned causal mask (query i sees keys j <= i + Tk - Tq).
     num_warps:  warps per block.
     num_stages: tiles in flight in shared memory (2 or 3).
@@ -113,6 +116,7 @@ class KernelSpec:
     block_n: int = 64
     dtype: str = "bf16"
     out_dtype: str = ""
+    kv_dtype: str = ""
     causal: bool = False
     num_warps: int = 4
     num_stages: int = 2
@@ -151,6 +155,12 @@ class KernelSpec:
         if not ELEMENT_TYPES[self.dtype].output and not self.out_dtype:
             raise SpecError(f"dtype={self.dtype!r}: kernels do not write {self.dtype}; name the output's type "
                             f"(out_dtype: one of {', '.join(OUTPUT_TYPES)})")
+        if self.kv_dtype == self.dtype:  # one kernel, one name
+            object.__setattr__(self, "kv_dtype", "")
+        if self.kv_dtype and (self.kv_dtype not in ELEMENT_TYPES or ELEMENT_TYPES[self.kv_dtype].output):
+            scaled = [name for name, t in ELEMENT_TYPES.items() if not t.output]
+            raise SpecError(f"kv_dtype={self.kv_dtype!r}: must be one of {', '.join(scaled)} (a cache stored with a "
+                            f"descale), or \"\": dtype's")
         for field in ("causal", "persistent", "varlen", "paged"):
             if not isinstance(getattr(self, field), bool):
                 raise SpecError(f"{field}={getattr(self, field)!r}: must be True or False")
@@ -187,6 +197,11 @@ class KernelSpec:
     def output_element(self):
         """The output's element type."""
         return ELEMENT_TYPES[self.out_dtype or self.dtype]
+
+    @property
+    def cache_element(self):
+        """The KV cache's element type (a decode kernel's; dtype's unless kv_dtype says otherwise)."""
+        return ELEMENT_TYPES[self.kv_dtype or self.dtype]
 
     @property
     def d_v(self) -> int:

@@ -18,9 +18,11 @@ import contextlib
 import fnmatch
 import json
 import os
+from itertools import product
 from pathlib import Path
 
 from . import variants
+from .axes import TARGETS
 from .settings import SettingError
 from .spec import KernelSpec, SpecError, check_head_dim
 
@@ -419,18 +421,18 @@ def decode_block_m(rows: int) -> int:
 
 
 def decode_spec(head_dim: int, dtype: str, arch: str, paged: bool, rows: int, variant: tuple[str, ...] = (),
-                rotary: str = "", varlen: bool = False) -> KernelSpec:
+                rotary: str = "", varlen: bool = False, *, kv_dtype: str = "") -> KernelSpec:
     """The decode kernel for a problem: the table's first tile shape (block_n, num_warps,
     num_stages) that is a valid spec with the block_m the rows need; `variant` names the variant
     fields to set, `rotary` the rotary embedding's style ("" = none), `varlen` packed sequences
-    (flash_attn_varlen_func over a paged cache)."""
+    (flash_attn_varlen_func over a paged cache), kv_dtype an FP8 cache's element type."""
     kind = "decode_paged" if paged else "decode"
     check_head_dim(head_dim)
     error = None
     for tiles in candidates(kind, head_dim, dtype, False, arch, "*", variant=variants.tiled_apart(variant)):
         try:
             return KernelSpec(head_dim=head_dim, dtype=dtype, arch=arch, kind=kind, **{**tiles, "block_m": decode_block_m(rows)},
-                              **variant_fields(variant), rotary=rotary, varlen=varlen)
+                              **variant_fields(variant), rotary=rotary, varlen=varlen, kv_dtype=kv_dtype)
         except SpecError as rejected:
             error = rejected
     raise SpecError(f"no {kind} tile shape fits head_dim={head_dim} on {arch}: {error or 'the tuning table has no entry'}")
@@ -449,14 +451,17 @@ def merge_spec(kind: str, head_dim: int, dtype: str, arch: str) -> KernelSpec:
     return KernelSpec(head_dim=head_dim, dtype=dtype, arch=arch, kind=kind)
 
 
-def serving_specs(arch: str, head_dims=TEST_HEAD_DIMS) -> list[KernelSpec]:
+def serving_specs(arch: str, head_dims=TEST_HEAD_DIMS, kv_dtypes=("",)) -> list[KernelSpec]:
     """Every decode, merge and append spec the serving functions pick on `arch` for these head dims,
-    both dtypes, contiguous and paged caches, both row counts."""
+    both dtypes, contiguous and paged caches, both row counts; and the decode specs over the caches
+    of kv_dtypes ("e4m3": FP8) where the target and head dim take them."""
     specs = []
     for head_dim in head_dims:
         for dtype in ("bf16", "fp16"):
-            for paged in (False, True):
-                specs += [decode_spec(head_dim, dtype, arch, paged, rows) for rows in DECODE_BLOCK_M]
+            for paged, kv_dtype in product((False, True), kv_dtypes):
+                if kv_dtype and (not TARGETS[arch].fp8 or head_dim % 16):
+                    continue
+                specs += [decode_spec(head_dim, dtype, arch, paged, rows, kv_dtype=kv_dtype) for rows in DECODE_BLOCK_M]
             specs += [merge_spec(kind, head_dim, dtype, arch) for kind in MERGE_KINDS]
             if builds_for("fwd_sm90", arch):  # (the append runs ahead of the paged Hopper forward only)
                 specs.append(append_spec(head_dim, dtype, arch))

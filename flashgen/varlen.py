@@ -51,10 +51,12 @@ def _well_formed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     )
 
 
-def check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=None, fp8=False) -> None:
+def check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=None, fp8=False,
+                 fp8_cache=False) -> None:
     """Every check that needs neither the GPU nor cu_seqlens' values: named errors for what the
     kernels cannot take. With a block_table, k and v are a paged cache (num_blocks, page_size,
-    heads_kv, head_dim). fp8: q, k, v are FP8, which inputs.fp8 checks (not the 16-bit rule)."""
+    heads_kv, head_dim). fp8: q, k, v are FP8, which inputs.fp8 checks (not the 16-bit rule);
+    fp8_cache: k and v are, which inputs.fp8_cache checks."""
     paged = block_table is not None
     kv_rows = "num_blocks, page_size, heads_kv" if paged else "total_k, heads_kv"
     kv_layout = f"({kv_rows}, head_dim): " + ("a paged cache, with block_table" if paged else
@@ -63,7 +65,7 @@ def check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     inputs.tensor("k", k, 4 if paged else 3, kv_layout)
     inputs.tensor("v", v, 4 if paged else 3, kv_layout)
     named = {"q": q, "k": k, "v": v}
-    if not fp8:
+    if not (fp8 or fp8_cache):
         for name, t in named.items():
             inputs.half_precision(name, t)
         inputs.one_dtype(named)
@@ -182,7 +184,10 @@ def attention_varlen(
 
     FP8, as attention()'s (sm_90a, forward only): q, k, v torch.float8_e4m3fn, q_descale,
     k_descale, v_descale fp32 (batch, heads_kv) (batch = the sequences), out_dtype bfloat16 (the
-    default) or float16; not with a block_table.
+    default) or float16; not with a block_table. A paged FP8 cache (sm_89 and sm_90): with a
+    block_table, k and v torch.float8_e4m3fn with k_descale and v_descale (a cached value is its
+    stored one times its sequence's and KV head's descale), q float16 or bfloat16 (the output's
+    dtype), head_dim a multiple of 16.
 
     Checked on every call, without a sync: types, shapes (3-D packed tensors, (batch + 1,)
     offsets), dtypes (int32 offsets), GQA head counts, head dims, devices, max_seqlen values.
@@ -198,14 +203,14 @@ def attention_varlen(
     well_formed = block_table is None and _well_formed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     # FP8 (its arguments, or inputs the 16-bit fast test refuses that are FP8): a path of its own, off the hot one
     if (out_dtype is not None or not q_descale is k_descale is v_descale is None
-            or (not well_formed and getattr(q, "dtype", None) in FP8_DTYPES)):
+            or (not well_formed and (getattr(q, "dtype", None) in FP8_DTYPES or (block_table is not None and inputs.is_float8(k))))):
         return _fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                     window_size, softcap, alibi_slopes, return_lse, block_table, learnable_sink, q_descale, k_descale, v_descale,
                     out_dtype)
     check_no_dropout(dropout_p)
     if block_table is not None and torch.compiler.is_compiling():  # one op; its checks run when it runs
         o, lse = ops.attention_varlen_paged_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
-                                               softmax_scale, causal, return_lse, [int(side) for side in window_size],
+                                               softmax_scale, causal, return_lse, None, None, [int(side) for side in window_size],
                                                float(softcap), alibi_slopes, learnable_sink)  # (variants.KEYWORDS' order)
         return (o, lse) if return_lse else o
     chosen = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_size, softcap,
@@ -222,14 +227,20 @@ def attention_varlen(
 
 def _fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
          softcap, alibi_slopes, return_lse, block_table, learnable_sink, q_descale, k_descale, v_descale, out_dtype):
-    """attention_varlen with FP8 inputs: checked, then the FP8 forward over packed sequences."""
+    """attention_varlen with FP8 inputs: checked, then the FP8 forward over packed sequences (or,
+    16-bit queries over a paged FP8 cache, the decode plan's varlen kernel)."""
     check_no_dropout(dropout_p)
     inputs.tensor("q", q)
+    if block_table is not None and q.dtype not in FP8_DTYPES:
+        return _paged_fp8_cache(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size,
+                                softcap, alibi_slopes, return_lse, block_table, learnable_sink, q_descale, k_descale, v_descale,
+                                out_dtype)
     if q.dtype not in FP8_DTYPES:
         raise TypeError(f"q has dtype {q.dtype}: q_descale, k_descale, v_descale and out_dtype are for FP8 inputs "
                         "(torch.float8_e4m3fn q, k and v)")
     if block_table is not None:
-        raise ValueError("attention_varlen with FP8 inputs reads packed keys: FP8 paged caches (block_table) are not built yet")
+        raise ValueError("attention_varlen with FP8 queries reads packed keys; over a paged FP8 cache (block_table) q is "
+                         "float16 or bfloat16, with k_descale and v_descale")
     check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, fp8=True)
     out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
     inputs.fp8({"q": q, "k": k, "v": v}, {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}, out_dtype,
@@ -242,4 +253,29 @@ def _fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropou
                                                    "q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale})
     o, lse = ops.fp8_forward(q, k, v, q_descale, k_descale, v_descale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, bool(causal),
                              inputs.softmax_scale(softmax_scale, q.shape[-1]), out_dtype, bool(return_lse), chosen.op_args())
+    return (o, lse) if return_lse else o
+
+
+def _paged_fp8_cache(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size,
+                     softcap, alibi_slopes, return_lse, block_table, learnable_sink, q_descale, k_descale, v_descale, out_dtype):
+    """attention_varlen of 16-bit queries over a paged FP8 cache (k, v float8_e4m3fn with k_descale
+    and v_descale, fp32 (batch, heads_kv)): checked, then the decode plan's varlen kernel."""
+    if torch.compiler.is_compiling():  # one op; its checks run when it runs
+        o, lse = ops.attention_varlen_paged_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                                               softmax_scale, causal, return_lse, k_descale, v_descale,
+                                               [int(side) for side in window_size], float(softcap), alibi_slopes, learnable_sink)
+        return (o, lse) if return_lse else o
+    if q_descale is not None:
+        raise ValueError("q_descale is for FP8 queries; over a paged FP8 cache (block_table) q is float16 or bfloat16")
+    if out_dtype is not None and out_dtype != q.dtype:
+        raise ValueError(f"out_dtype={out_dtype}: over a paged FP8 cache the output has q's dtype, {q.dtype}")
+    check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=block_table, fp8_cache=True)
+    inputs.fp8_cache(q, {"k": k, "v": v}, {"k_descale": k_descale, "v_descale": v_descale}, cu_seqlens_q.shape[0] - 1, k.shape[2])
+    chosen = check_variant(q, cu_seqlens_q, max_seqlen_k, causal, window_size, softcap, alibi_slopes, learnable_sink)
+    _check_paged(q, k, v)
+    inputs.on_one_cuda_device("attention_varlen", {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
+                                                   "block_table": block_table, "k_descale": k_descale, "v_descale": v_descale})
+    o, lse = ops.paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, bool(causal),
+                              inputs.softmax_scale(softmax_scale, q.shape[-1]), chosen, bool(return_lse),
+                              k_descale=k_descale, v_descale=v_descale)
     return (o, lse) if return_lse else o

@@ -43,6 +43,8 @@ class Workload:
     styles of kvcache calls ("" = none). backward: attention's and varlen's backward kernels, in
     both modes (deterministic or not). head_dim_v: V's head dim where the calls' V has one of its
     own (DeepSeek's 192 / 128), 0 where it has q's; attention and varlen take it, without a paged cache.
+    kv_dtypes: the element types of the KV caches kvcache and paged varlen calls read ("" = the
+    calls' dtype; "e4m3": an FP8 cache with descales).
     """
 
     head_dims: tuple[int, ...]
@@ -55,6 +57,7 @@ class Workload:
     rotary: tuple[str, ...] = ("",)
     backward: bool = True
     head_dim_v: int = 0
+    kv_dtypes: tuple[str, ...] = ("",)
 
     def __post_init__(self):
         for name, values, allowed in (("entries", self.entries, ENTRIES), ("layouts", self.layouts, LAYOUTS),
@@ -71,6 +74,11 @@ class Workload:
         if fp8 and set(self.entries) - {"attention", "varlen"}:
             raise SpecError(f"dtypes {', '.join(fp8)}: FP8 inputs go through attention and varlen only (not "
                             f"{', '.join(sorted(set(self.entries) - {'attention', 'varlen'}))})")
+        scaled = [name for name, t in ELEMENT_TYPES.items() if not t.output]
+        unknown = [kv for kv in self.kv_dtypes if kv not in ("", *scaled)]
+        if unknown:
+            raise SpecError(f"kv_dtypes: {', '.join(map(repr, unknown))} not among '' (the calls' dtype), "
+                            f"{', '.join(map(repr, scaled))}")
         for variant in self.variants:
             unknown = [field for field in variant if field not in VARIANT_FIELDS]
             if unknown:
@@ -117,9 +125,9 @@ def backward_of(forward: KernelSpec) -> list[KernelSpec]:
     return _backward(forward.head_dim, forward.dtype, forward.causal, forward.arch, variant, forward.varlen, forward.head_dim_v)
 
 
-def _decode(head_dim, dtype, arch, paged, variant, rotary="", varlen=False) -> list[KernelSpec]:
+def _decode(head_dim, dtype, arch, paged, variant, rotary="", varlen=False, kv_dtype="") -> list[KernelSpec]:
     """plans.decode's kernels: one per row bucket (a block of 16 packed query rows, or of 64)."""
-    return [tuning.decode_spec(head_dim, dtype, arch, paged, rows, variant, rotary, varlen)
+    return [tuning.decode_spec(head_dim, dtype, arch, paged, rows, variant, rotary, varlen, kv_dtype=kv_dtype)
             for rows in (tuning.DECODE_BLOCK_M[0], tuning.DECODE_BLOCK_M[0] + 1)]
 
 
@@ -128,18 +136,20 @@ def _varlen(workload: Workload, head_dim, dtype, causal, arch, variant) -> list[
     if dtype == "e4m3":  # (packed keys only: no FP8 paged cache yet)
         return specs
     if "paged" in workload.layouts:  # attention_varlen over a block table: the decode kernels' varlen form,
-        specs += _decode(head_dim, dtype, arch, True, variant, varlen=True)  # and for long chunks the Hopper forward
-        specs += [spec for spec in [tuning.paged_forward_spec(head_dim, dtype, causal, arch, tuning.SHORT_QUERY + 1, variant)]
-                  if spec]
+        for kv_dtype in workload.kv_dtypes:
+            specs += _decode(head_dim, dtype, arch, True, variant, varlen=True, kv_dtype=kv_dtype)
+        if "" in workload.kv_dtypes:  # and for long chunks over a 16-bit cache the Hopper forward
+            specs += [spec for spec in [tuning.paged_forward_spec(head_dim, dtype, causal, arch, tuning.SHORT_QUERY + 1, variant)]
+                      if spec]
     return specs
 
 
 def _kvcache(workload: Workload, head_dim, dtype, causal, arch, variant) -> list[KernelSpec]:
-    specs = [spec for layout, rotary in product(workload.layouts, workload.rotary)
-             for spec in _decode(head_dim, dtype, arch, layout == "paged", variant, rotary)]
+    specs = [spec for layout, rotary, kv_dtype in product(workload.layouts, workload.rotary, workload.kv_dtypes)
+             for spec in _decode(head_dim, dtype, arch, layout == "paged", variant, rotary, kv_dtype=kv_dtype)]
     prefill = tuning.paged_forward_spec(head_dim, dtype, causal, arch, tuning.SHORT_QUERY + 1, variant)
-    if "paged" in workload.layouts and "" in workload.rotary and prefill:  # a long chunk over pages (with an append)
-        specs += [prefill, tuning.append_spec(head_dim, dtype, arch)]
+    if "paged" in workload.layouts and "" in workload.rotary and "" in workload.kv_dtypes and prefill:
+        specs += [prefill, tuning.append_spec(head_dim, dtype, arch)]  # a long chunk over 16-bit pages (with an append)
     return specs
 
 
@@ -193,7 +203,7 @@ def describing(spec: KernelSpec) -> Workload | None:
     workload = Workload(head_dim_v=spec.head_dim_v,
         head_dims=(spec.head_dim,), dtypes=(spec.dtype,), causal=(spec.causal,), archs=(spec.arch,), entries=(entry,),
         variants=(variant,), layouts=("paged",) if spec.kind in ("decode_paged", "append_paged") or spec.paged else ("contiguous",),
-        rotary=(spec.rotary,), backward=not spec.family.forward and spec.kind not in serving,
+        rotary=(spec.rotary,), backward=not spec.family.forward and spec.kind not in serving, kv_dtypes=(spec.kv_dtype,),
     )
     try:
         return workload if spec in workload.specs() else None
@@ -230,6 +240,8 @@ def options(workload: Workload) -> list[str]:
         words += ["--kvcache", ",".join(workload.layouts)]
     if workload.rotary != ("",) and "kvcache" in workload.entries:
         words += ["--rotary", ",".join(style or "none" for style in workload.rotary)]
+    if workload.kv_dtypes != ("",) and {"kvcache", "varlen"} & set(workload.entries):
+        words += ["--kv-dtype", ",".join(kv or "same" for kv in workload.kv_dtypes)]
     if not workload.backward and {"attention", "varlen"} & set(workload.entries):
         words.append("--no-backward")
     return words

@@ -15,7 +15,7 @@ from sweeps import sweep
 # Every spec the tables pick on the H200, forward and backward; sm_80 for the most common head dims
 # and for 256, where its backward is the key-major kernels that take dV and dK in separate passes.
 SHIPPED = tuning.shipped_specs("sm_90a") + tuning.shipped_specs("sm_80", head_dims=(64, 128, 256))
-SHIPPED += tuning.serving_specs("sm_90a") + tuning.serving_specs("sm_80", head_dims=(64, 128))
+SHIPPED += tuning.serving_specs("sm_90a", kv_dtypes=("", "e4m3")) + tuning.serving_specs("sm_80", head_dims=(64, 128))
 # The block mask of a mask rule (one spec per tile shape the attention kernels above pick).
 _RULE = '{"cuda":"kv_idx <= q_idx + 3","per_batch":false,"per_head":false,"tensors":[]}'
 SHIPPED += [KernelSpec(head_dim=8, kind="block_mask", block_m=m, block_n=n, causal=c, mask_mod=_RULE)

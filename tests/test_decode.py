@@ -609,7 +609,7 @@ def test_tiles_of_cached_rows_copy_without_per_row_tests(paged):
     tests: its rows a row stride apart (within a 16-row group's page, paged)."""
     source = render(tuning.decode_spec(128, "bf16", "sm_90a", paged, rows=4))
     fast = source[source.index("if (n0 + BLOCK_N <= cached) {"):source.index("// The tile that holds the sequence's end")]
-    assert "j * ROWS_PER_PASS * cache.k_row" in fast and "return;" in fast
+    assert "j * KV_ROWS_PER_PASS * cache.k_row" in fast and "return;" in fast
     assert "pos < cached" not in fast and "k_new" not in fast and "seqlen_k" not in fast
     assert ("cache.row_in(pages[g]" in fast) == paged
 
@@ -731,7 +731,7 @@ def test_varlen_decode_aligns_each_sequence_to_its_own_queries(variant):
 
 def test_a_kernel_without_rotary_renders_no_trace_of_it():
     plain = render(tuning.decode_spec(64, "bf16", "sm_90a", False, 4))
-    assert "otary" not in plain and "st_shared_16" not in plain
+    assert "otary" not in plain
     for style in ("interleaved", "halves"):
         source = render(tuning.decode_spec(64, "bf16", "sm_90a", True, 4, rotary=style))
         assert "struct Rotary" in source and f"({style})" in source.splitlines()[1]
@@ -743,7 +743,7 @@ def test_a_window_splits_only_the_keys_it_sees(driver, stub_kernels, cpu_device,
     short cache."""
     seen = []
     real = plans.decode
-    monkeypatch.setattr(plans, "decode", lambda *args: seen.append(args) or real(*args))
+    monkeypatch.setattr(plans, "decode", lambda *args, **kw: seen.append(args) or real(*args, **kw))
     monkeypatch.setattr(serving, "check_kvcache_inputs", lambda *args: (True, 65536, 1, serving._variant(args[0], *args[8:12], 65536), ""))
     q, k_cache, v_cache, k, v = t(1, 1, 8, 128), t(4096, 16, 2, 128), t(4096, 16, 2, 128), t(1, 1, 2, 128), t(1, 1, 2, 128)
     table = torch.zeros(1, 4096, dtype=torch.int32)
@@ -1051,7 +1051,7 @@ def test_the_signatures_are_flash_attns():
     varlen = ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dropout_p", "softmax_scale",
               "causal", "window_size", "softcap", "alibi_slopes", "deterministic", "return_lse", "block_table"]
     fp8 = ["q_descale", "k_descale", "v_descale", "out_dtype"]  # (FlashAttention-3's FP8 names, by name)
-    for fn, names, by_name in ((flashgen.attention_with_kvcache, kvcache, []), (flashgen.attention_varlen, varlen, fp8)):
+    for fn, names, by_name in ((flashgen.attention_with_kvcache, kvcache, ["k_descale", "v_descale"]), (flashgen.attention_varlen, varlen, fp8)):
         parameters = inspect.signature(fn).parameters.values()
         assert [p.name for p in parameters if p.kind == p.POSITIONAL_OR_KEYWORD] == names
         assert [p.name for p in parameters if p.kind == p.KEYWORD_ONLY] == ["learnable_sink", *by_name]  # (flashgen's own, by name)

@@ -208,7 +208,7 @@ def test_build_makes_the_fp8_forward_for_each_output_type_and_no_backward():
 def test_fp8_varlen_input_errors_are_named():
     q, k = fp8(30, 4, 64), fp8(40, 2, 64)
     cu = torch.tensor([0, 10, 30], dtype=torch.int32), torch.tensor([0, 15, 40], dtype=torch.int32)
-    with pytest.raises(ValueError, match="FP8 paged caches \\(block_table\\) are not built yet"):
+    with pytest.raises(ValueError, match="with FP8 queries reads packed keys; over a paged FP8 cache \\(block_table\\) q is"):
         flashgen.attention_varlen(q, k, k, *cu, 20, 25, block_table=torch.zeros(2, 3, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"k_descale must be float32 of shape \(batch, heads_kv\) = \(2, 2\)"):
         flashgen.attention_varlen(q, k, k, *cu, 20, 25, k_descale=torch.ones(3, 2))

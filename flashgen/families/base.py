@@ -24,6 +24,7 @@ NAME_PARTS = {
     "block_n": "n{}",
     "dtype": "{}",
     "out_dtype": "o{}",  # or nothing when the output has dtype's type
+    "kv_dtype": "kv{}",  # or nothing when the KV cache has dtype's type
     "causal": None,  # causal / full
     "num_warps": "w{}",
     "num_stages": "s{}",
@@ -79,7 +80,7 @@ class Family:
     kinds: tuple[str, ...] = ()
     template: str = ""
     # the spec fields the kernel's code depends on, and the variants (flashgen.variants) it builds
-    fields: tuple[str, ...] = (*(f for f in NAME_PARTS if f not in ("variants", "rotary", "paged", "out_dtype")), *variants.EVERYWHERE)
+    fields: tuple[str, ...] = (*(f for f in NAME_PARTS if f not in ("variants", "rotary", "paged", "out_dtype", "kv_dtype")), *variants.EVERYWHERE)
     arguments: tuple[str, ...] = ()  # the launch's named arguments, from which parameters are computed
     forward = False  # a forward kernel: what attention() runs and `flashgen build` makes importable
     dtypes: tuple[str, ...] = OUTPUT_TYPES  # the element types (flashgen.axes) its kernels take
@@ -142,7 +143,7 @@ class Family:
                     parts += [field] if value else []
                 elif field == "variants":
                     parts += list(value)
-                elif field in ("exp2_fma", "head_dim_v", "out_dtype"):
+                elif field in ("exp2_fma", "head_dim_v", "out_dtype", "kv_dtype"):
                     parts += [form.format(value)] if value else []
                 elif field == "rotary":
                     parts += [f"rope_{value}"] if value else []
@@ -196,6 +197,7 @@ class Family:
             "elem_bytes": spec.element.bytes,
             "elem_storage": spec.element.storage,
             "fp8": spec.element.bytes == 1,
+            "kv_fp8": bool(spec.kv_dtype),  # an FP8 KV cache (decode kernels)
             "out_ptx_type": spec.output_element.ptx,  # the output's (the element type's, but for FP8 inputs)
             "out_storage": spec.output_element.storage,
             "wgmma": False,

@@ -12,6 +12,10 @@ partial attention states by their log-sum-exp.
   atomic count in flashgen/workspace.py's buffers says which) merges them into o and lse. With
   varlen (decode_paged only) it serves flash_attn_varlen_func's block_table: packed sequences of
   queries (cu_seqlens_q) over their pages of a paged cache (cu_seqlens_k), nothing appended.
+  With kv_dtype "e4m3" the cache is FP8 with a descale per (sequence, KV head): its tiles stream
+  in at a byte an element, are widened (exactly) to the queries' type in shared memory, the
+  scores take k_descale and the output v_descale, and appended keys are stored divided by their
+  descale, rounded and saturated (and read the same way by the attention that appends them).
 - MergeStates (merge) and MergeStatesFp32 (merge_fp32): o = sum_s exp(lse_s - lse) o_s with
   lse = log sum_s exp(lse_s), per row, for two states of any float dtype (merge_attention_states).
 """
@@ -60,6 +64,34 @@ def new_rows() -> list[Param]:
     return params
 
 
+def cache_tensors(paged: bool) -> list[Param]:
+    """The K and V caches, written in place: [batch, capacity, kv_heads, d] or paged [num_pages,
+    page_size, kv_heads, d], of the cache's element type (cache_t)."""
+    dims = ("page" if paged else "batch", "row", "head")
+    return [*tensor("k_cache", const=False, elem="cache_t", dims=dims), *tensor("v_cache", const=False, elem="cache_t", dims=dims)]
+
+
+def descales() -> list[Param]:
+    """An FP8 cache's descales, fp32 [batch, kv_heads] (FlashAttention-3's): the true key or value
+    is the stored one times its sequence's and KV head's descale."""
+    return [*tensor("k_descale", elem="float", dims=("batch", "head")), *tensor("v_descale", elem="float", dims=("batch", "head"))]
+
+
+def check_fp8_cache(spec: KernelSpec) -> None:
+    """An FP8 cache needs the target's FP8 conversions and rows of whole 16-byte chunks."""
+    if not TARGETS[spec.arch].fp8:
+        raise SpecError(f"kv_dtype={spec.kv_dtype!r} on {spec.arch}: an FP8 cache needs a target with FP8 conversions "
+                        f"({', '.join(a for a, t in TARGETS.items() if t.fp8)})")
+    if spec.head_dim % 16:
+        raise SpecError(f"kv_dtype={spec.kv_dtype!r} with head_dim={spec.head_dim}: an FP8 cache's rows are whole 16-byte "
+                        f"chunks, so head_dim must be a multiple of 16")
+
+
+def cache_context(spec: KernelSpec) -> dict:
+    """The template's name for the cache's storage type (the base context's kv_fp8 says whether it is FP8)."""
+    return {"cache_storage": spec.cache_element.storage}
+
+
 def pages() -> list[Param]:
     """A paged cache's block table and page size (kv_cache.cuh.j2's KvCache)."""
     return [
@@ -86,8 +118,8 @@ def lengths() -> list[Param]:
 class DecodeAttention(Family):
     kinds = ("decode", "decode_paged")
     template = "attention_decode.cu.j2"
-    fields = ("head_dim", "block_m", "block_n", "dtype", "num_warps", "num_stages", "arch", "varlen", *variants.EVERYWHERE,
-              "rotary")
+    fields = ("head_dim", "block_m", "block_n", "dtype", "kv_dtype", "num_warps", "num_stages", "arch", "varlen",
+              *variants.EVERYWHERE, "rotary")
     # The tensors, and the sizes attention_with_kvcache has read once already (the packing then
     # reads no shape twice): a decode step's host cost is mostly Python.
     arguments = ("q", "k_cache", "v_cache", "k", "v", "k_strides", "v_strides", "cache_seqlens", "cache_seqlens_stride",
@@ -114,7 +146,14 @@ class DecodeAttention(Family):
         """Warps along the keys: they share rows and split each key tile between them."""
         return spec.num_warps // self.warps_m(spec)
 
+    @staticmethod
+    def cache_row_bytes(spec: KernelSpec) -> int:
+        """A cache tile row in the stages: the padded row, 16 bytes more (the ldmatrix bank rule)."""
+        return spec.head_dim_pad * spec.cache_element.bytes + 16
+
     def check(self, spec: KernelSpec) -> None:
+        if spec.kv_dtype:
+            check_fp8_cache(spec)
         if spec.varlen and not self.paged(spec):
             raise SpecError("varlen=True: a decode kernel takes packed sequences over a paged cache (kind decode_paged)")
         if spec.varlen and spec.rotary:
@@ -145,14 +184,16 @@ class DecodeAttention(Family):
 
     def smem(self, spec: KernelSpec) -> SmemLayout:
         row = MmaTiles.row_bytes(spec)
-        stage = 2 * spec.block_n * row  # a K tile, then a V tile
+        stage = 2 * spec.block_n * self.cache_row_bytes(spec)  # a K tile, then a V tile, as the cache stores them
         # After the key loop the warps merge their rows' states through the same space: per warp
         # its 16 rows of fp32 O (pitch head_dim_pad + 8), then per warp its rows' max and sum.
         reduce = spec.num_warps * 16 * (spec.head_dim_pad + 8) * 4 + spec.num_warps * 16 * 2 * 4
         # Then, in the block that merges the splits: each row's weight of every split, and at
         # least one split's partial rows (fp32); it stages as many splits as the space holds.
         merge = spec.block_m * MAX_SPLITS * 4 + spec.block_m * spec.head_dim * 4
-        return SmemLayout([Region("q", spec.block_m * row), Region("kv", spec.num_stages * stage)],
+        # An FP8 cache's tiles are widened into one K and V tile of q's type that the products read.
+        wide = [Region("wide", 2 * spec.block_n * row)] if spec.kv_dtype else []
+        return SmemLayout([Region("q", spec.block_m * row), Region("kv", spec.num_stages * stage), *wide],
                           overlays=[Region("reduce", reduce), Region("merge", merge)])
 
     def blocks_per_sm(self, spec: KernelSpec) -> int:
@@ -178,12 +219,12 @@ class DecodeAttention(Family):
                       scalar("rotary_dim", "int", "2 * rotary_cos.shape[1]"), scalar("rotary_rows", "int", "rotary_cos.shape[0]")]
         return Params(self.arguments, [
             *tensor("q", dims=("batch", "row", "head")),
-            *tensor("k_cache", const=False, dims=("page" if paged else "batch", "row", "head")),
-            *tensor("v_cache", const=False, dims=("page" if paged else "batch", "row", "head")),
+            *cache_tensors(paged),
             *new_rows(),
             *rows,
             *rotary,
             *lengths(),
+            *(descales() if spec.kv_dtype else []),
             *tensor("o", const=False, dims=("batch", "row", "head")),
             pointer("lse", "float*", optional=True),  # [batch, heads, seqlen_q], or null
             # With splits > 1: [splits, batch, heads, seqlen_q, head_dim] partial outputs, then
@@ -210,6 +251,7 @@ class DecodeAttention(Family):
             "smem_stride": spec.head_dim_pad + 8,
             "blocks_per_sm": self.blocks_per_sm(spec),
             "paged": self.paged(spec),
+            **cache_context(spec),
             "warps_m": self.warps_m(spec),
             "warps_n": self.warps_n(spec),
             "max_splits": MAX_SPLITS,
