@@ -125,7 +125,8 @@ class DecodeAttention(Family):
     arguments = ("q", "k_cache", "v_cache", "k", "v", "k_strides", "v_strides", "cache_seqlens", "cache_seqlens_stride",
                  "cache_len", "capacity", "cache_batch_idx", "cache_leftpad", "block_table", "num_pages", "page_size",
                  "page_divisor", "rotary_cos", "rotary_sin", "cu_seqlens_q", "cu_seqlens_k", "total_q", "o", "lse", "partials",
-                 "counters", "batch", "seqlen_q", "heads", "kv_heads", "seqlen_new", "splits", "causal", "scale", *variants.ARGUMENTS)
+                 "counters", "batch", "seqlen_q", "heads", "kv_heads", "seqlen_new", "splits", "causal", "scale", "k_descale",
+                 "v_descale", *variants.ARGUMENTS)
 
     @staticmethod
     def paged(spec: KernelSpec) -> bool:
