@@ -19,7 +19,7 @@ def rows(path) -> tuple[dict, dict, bool]:
     if "varlen" in report and isinstance(report["varlen"], dict):
         return {("varlen", mode): value for mode, value in report["varlen"].items()}, report, True
     if "decode" in report:
-        return {("decode", r["B"], r["T"], r["layout"]): r["flashgen_us"] for r in report["decode"]}, report, False
+        return {("decode", r["B"], r["T"], r["layout"], r.get("cache", "bf16")): r["flashgen_us"] for r in report["decode"]}, report, False
     if "variants" in report:
         found = {}
         for part in ("variants", "window", "rules"):

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from itertools import product
 
 import torch
 import torch.nn.functional as F
@@ -630,9 +631,13 @@ def copy_rate_tbs(size: int = 2**30) -> float:
     return 2 * size / (ms * 1e-3) / 1e12
 
 
-def _decode_step(batch, seqlen, paged, gen):
+DECODE_CACHES = ("bf16", "e4m3")  # the KV cache's element type: q's, or FP8 with descales
+
+
+def _decode_step(batch, seqlen, paged, gen, cache="bf16"):
     """A decode step's inputs for flashgen: q (B, 1, H, d), a cache holding seqlen - 1 tokens (the
-    step appends the seqlen-th), contiguous or in shuffled 16-token pages."""
+    step appends the seqlen-th), contiguous or in shuffled 16-token pages; with cache "e4m3" an FP8
+    cache and its descales."""
     heads, kv_heads, d = DECODE_HEADS, DECODE_KV_HEADS, DECODE_HEAD_DIM
     bf16 = torch.bfloat16
     q = torch.randn(batch, 1, heads, d, device="cuda", dtype=bf16, generator=gen)
@@ -646,7 +651,13 @@ def _decode_step(batch, seqlen, paged, gen):
         shape = (batch, seqlen, kv_heads, d)
     k_cache, v_cache = (torch.randn(shape, device="cuda", dtype=bf16, generator=gen) for _ in range(2))
     lengths = torch.full((batch,), seqlen - 1, device="cuda", dtype=torch.int32)
-    return dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=lengths, block_table=block_table)
+    step = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=lengths, block_table=block_table)
+    if cache == "e4m3":  # stored at 64x with descales of 1/64
+        step.update(k_cache=(k_cache * 64).clamp(-448, 448).to(torch.float8_e4m3fn),
+                    v_cache=(v_cache * 64).clamp(-448, 448).to(torch.float8_e4m3fn),
+                    k_descale=torch.full((batch, kv_heads), 1 / 64, device="cuda"),
+                    v_descale=torch.full((batch, kv_heads), 1 / 64, device="cuda"))
+    return step
 
 
 def _flashgen_step(inputs):
@@ -673,9 +684,10 @@ def _sdpa_step(pin, q, k, v):
 
 def decode_rows(cases=DECODE_CASES, rate: float | None = None) -> list[dict]:
     """GPU time per decode step (graph replay) of flashgen (append, attention, the splits' merge),
-    contiguous and paged, next to SDPA's FLASH and CUDNN and to the memory floor: the K and V bytes
-    at the measured copy rate. Caches smaller than L2 are read from memory (steps over copies in
-    turn), as in a model, where every other layer's cache passes through L2 between two steps."""
+    contiguous and paged, over a bf16 cache and an FP8 one (e4m3 with descales: half the bytes),
+    next to SDPA's FLASH and CUDNN (bf16) and to the memory floor: the cache's K and V bytes at the
+    measured copy rate. Caches smaller than L2 are read from memory (steps over copies in turn), as
+    in a model, where every other layer's cache passes through L2 between two steps."""
     from . import plans
 
     rate = rate or copy_rate_tbs()
@@ -692,19 +704,23 @@ def decode_rows(cases=DECODE_CASES, rate: float | None = None) -> list[dict]:
             except RuntimeError:  # the backend refuses this shape or GPU
                 sdpa[name] = None
         del problems
-        for paged in (False, True):
-            inputs = [_decode_step(batch, seqlen, paged, gen) for _ in range(copies)]
+        for paged, cache in product((False, True), DECODE_CACHES):
+            inputs = [_decode_step(batch, seqlen, paged, gen, cache) for _ in range(copies)]
             us = graph_time_us([_flashgen_step(problem) for problem in inputs])
+            kv_dtype = "" if cache == "bf16" else cache
             plan, splits = plans.decode(0, DECODE_HEAD_DIM, torch.bfloat16, paged, DECODE_HEADS // DECODE_KV_HEADS, batch,
-                                        DECODE_KV_HEADS, seqlen + 1)
-            floor = kv_bytes / (rate * 1e12) * 1e6
+                                        DECODE_KV_HEADS, seqlen + 1, kv_dtype=kv_dtype)
+            cache_bytes = kv_bytes // (2 if kv_dtype else 1)
+            floor = cache_bytes / (rate * 1e12) * 1e6
             measured = [t for t in sdpa.values() if t]
             best = min(measured) if measured else None
+            same = [row for row in rows if (row["B"], row["T"], row["paged"], row["cache"]) == (batch, seqlen, paged, "bf16")]
             rows.append({
-                "B": batch, "T": seqlen, "layout": f"paged {DECODE_PAGE}" if paged else "contiguous", "flashgen_us": us,
-                "flash_us": sdpa["flash"], "cudnn_us": sdpa["cudnn"], "floor_us": floor, "vs_floor": us / floor,
-                "vs_best_sdpa": us / best if best else None, "tbs": kv_bytes / (us * 1e-6) / 1e12, "splits": splits,
-                "kernels": " + ".join(k.spec.name for k in plan.kernels),
+                "B": batch, "T": seqlen, "layout": f"paged {DECODE_PAGE}" if paged else "contiguous", "paged": paged,
+                "cache": cache, "flashgen_us": us, "flash_us": sdpa["flash"], "cudnn_us": sdpa["cudnn"], "floor_us": floor,
+                "vs_floor": us / floor, "vs_best_sdpa": us / best if best else None,
+                "vs_bf16_cache": us / same[0]["flashgen_us"] if kv_dtype and same else None,
+                "tbs": cache_bytes / (us * 1e-6) / 1e12, "splits": splits, "kernels": " + ".join(k.spec.name for k in plan.kernels),
             })
             del inputs
     return rows
@@ -731,24 +747,26 @@ def decode_host_us(calls: int = HOST_CALLS, rounds: int = HOST_ROUNDS) -> dict:
     return interleaved_host_us(ops, calls, rounds)
 
 
-DECODE_COLUMNS = ("B", "cache", "layout", "flashgen us", "flash us", "cudnn us", "floor us", "vs floor",
-                  "vs best SDPA", "TB/s", "splits", "kernels")
+DECODE_COLUMNS = ("B", "cache", "layout", "KV", "flashgen us", "flash us", "cudnn us", "floor us", "vs floor",
+                  "vs best SDPA", "vs bf16 KV", "TB/s", "splits", "kernels")
 
 
 def _decode_cells(row) -> list[str]:
     fmt = lambda x, spec=".1f": "-" if x is None else format(x, spec)  # noqa: E731
     return [
-        str(row["B"]), f"{row['T'] // 1024}k", row["layout"], fmt(row["flashgen_us"]), fmt(row["flash_us"]),
-        fmt(row["cudnn_us"]), fmt(row["floor_us"]), fmt(row["vs_floor"], ".2f"), fmt(row["vs_best_sdpa"], ".2f"),
-        fmt(row["tbs"], ".2f"), str(row["splits"]), row["kernels"],
+        str(row["B"]), f"{row['T'] // 1024}k", row["layout"], row.get("cache", "bf16"), fmt(row["flashgen_us"]),
+        fmt(row["flash_us"]), fmt(row["cudnn_us"]), fmt(row["floor_us"]), fmt(row["vs_floor"], ".2f"),
+        fmt(row["vs_best_sdpa"], ".2f"), fmt(row.get("vs_bf16_cache"), ".2f"), fmt(row["tbs"], ".2f"), str(row["splits"]),
+        row["kernels"],
     ]
 
 
 def decode_markdown(report: dict) -> str:
     lines = [
         f"Decode, GPU time per step through CUDA-graph replay ({DECODE_HEADS}:{DECODE_KV_HEADS} heads, d = "
-        f"{DECODE_HEAD_DIM}, bf16, Tq = 1; flashgen appends the step's token; SDPA with enable_gqa=True; floor = K + V "
-        f"bytes at the measured copy rate, {report['copy_rate_tbs']:.2f} TB/s)",
+        f"{DECODE_HEAD_DIM}, bf16 q, Tq = 1; flashgen appends the step's token, to a bf16 KV cache or an e4m3 one "
+        f"with descales; SDPA (bf16) with enable_gqa=True; floor = the cache's K + V bytes at the measured copy rate, "
+        f"{report['copy_rate_tbs']:.2f} TB/s)",
         "", "| " + " | ".join(DECODE_COLUMNS) + " |", "|" + "---|" * len(DECODE_COLUMNS),
     ]
     lines += ["| " + " | ".join(_decode_cells(row)) + " |" for row in report["decode"]]

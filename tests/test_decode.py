@@ -968,12 +968,15 @@ def test_merge_errors(error, match, changes):
 def test_decode_report_renders_as_markdown():
     from flashgen import bench
 
-    row = {"B": 1, "T": 65536, "layout": "paged 16", "flashgen_us": 70.0, "flash_us": 80.2, "cudnn_us": None,
-           "floor_us": 62.4, "vs_floor": 70 / 62.4, "vs_best_sdpa": 70 / 80.2, "tbs": 3.8, "splits": 32,
+    row = {"B": 1, "T": 65536, "layout": "paged 16", "cache": "bf16", "flashgen_us": 70.0, "flash_us": 80.2, "cudnn_us": None,
+           "floor_us": 62.4, "vs_floor": 70 / 62.4, "vs_best_sdpa": 70 / 80.2, "vs_bf16_cache": None, "tbs": 3.8, "splits": 32,
            "kernels": "decode_paged_d128_m16_n64_bf16_w4_s3_sm90a + combine_d128_bf16_sm90a"}
-    text = bench.decode_markdown({"copy_rate_tbs": 4.3, "decode": [row], "decode_host_us": {"flashgen": 19.5, "sdpa": 24.0},
+    fp8 = {**row, "cache": "e4m3", "flashgen_us": 38.0, "floor_us": 31.2, "vs_floor": 38 / 31.2, "vs_bf16_cache": 38 / 70,
+           "vs_best_sdpa": 38 / 80.2, "kernels": "decode_paged_d128_m16_n64_bf16_kve4m3_w4_s3_sm90a"}
+    text = bench.decode_markdown({"copy_rate_tbs": 4.3, "decode": [row, fp8], "decode_host_us": {"flashgen": 19.5, "sdpa": 24.0},
                                   "decode_rotary_us": {"T": 8192, "plain": 12.4, "rotary": 12.61}})
-    assert "| 1 | 64k | paged 16 | 70.0 | 80.2 | - | 62.4 | 1.12 | 0.87 | 3.80 | 32 | decode_paged" in text
+    assert "| 1 | 64k | paged 16 | bf16 | 70.0 | 80.2 | - | 62.4 | 1.12 | 0.87 | - | 3.80 | 32 | decode_paged" in text
+    assert "| 1 | 64k | paged 16 | e4m3 | 38.0 | 80.2 | - | 31.2 | 1.22 | 0.47 | 0.54 | 3.80 | 32 | decode_paged_d128_m16_n64_bf16_kve4m3" in text
     assert "4.30 TB/s" in text and "flashgen 19.5 us, one SDPA call 24.0 us" in text
     assert "(B = 1, 8k contiguous, rotary_cos / rotary_sin): 12.6 us against 12.4 us without" in text
 
