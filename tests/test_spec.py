@@ -125,13 +125,15 @@ ALTERNATIVE = {
     "mask_mod": '{"cuda":"q_idx >= kv_idx","per_batch":false,"per_head":false,"tensors":[]}',
     "rotary": "halves",
     "out_dtype": "fp16",
+    "kv_dtype": "e4m3",
 }
 # Fields the mma.sync forward does not use change a spec of a family that does.
 _HOPPER = KernelSpec(head_dim=64, block_m=128, block_n=128, kind="fwd_sm90")
 _DECODE = KernelSpec(head_dim=64, block_m=16, block_n=64, kind="decode", num_stages=3)
 _PACKED_HOPPER = KernelSpec(head_dim=64, block_m=128, block_n=128, kind="fwd_sm90", varlen=True)
 _FP8 = KernelSpec(head_dim=64, block_m=128, block_n=128, kind="fwd_sm90", dtype="e4m3", out_dtype="bf16")
-BASE_FOR = {"persistent": _HOPPER, "exp2_fma": _HOPPER, "rotary": _DECODE, "paged": _PACKED_HOPPER, "out_dtype": _FP8}
+BASE_FOR = {"persistent": _HOPPER, "exp2_fma": _HOPPER, "rotary": _DECODE, "paged": _PACKED_HOPPER, "out_dtype": _FP8,
+            "kv_dtype": _DECODE}
 
 
 def key(spec):
