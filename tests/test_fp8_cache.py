@@ -83,18 +83,25 @@ def test_an_fp8_cache_is_a_spec_field_the_decode_kinds_take():
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_the_fp8_cache_kernels_hold_their_instructions(dtype, paged):
+@pytest.mark.parametrize("dtype, rows", [("bf16", 4), ("fp16", 4), ("bf16", 40)], ids=str)
+def test_the_fp8_cache_kernels_hold_their_instructions(dtype, rows, paged):
     """The cache streams in at a byte an element (16-byte cp.async of e4m3 rows), is widened with
-    the e4m3x2 conversion, and appends are rounded with satfinite; the 16-bit kernel has none of it."""
-    spec = tuning.decode_spec(128, dtype, "sm_90a", paged, 4, kv_dtype="e4m3")
+    the e4m3x2 conversion, and appends are rounded with satfinite; the 16-bit kernel has none of it.
+    A decode block (one warp along the rows) reads the e4m3 tiles with ldmatrix and widens them in
+    registers (K's bytes as they come, V's regrouped by dim with prmt); a 64-row block widens each
+    tile once in shared memory (8-byte loads)."""
+    spec = tuning.decode_spec(128, dtype, "sm_90a", paged, rows, kv_dtype="e4m3")
     ptx = compile_ptx(spec, render(spec)).decode()
-    for instruction in ("cvt.rn.f16x2.e4m3x2", "cvt.rn.satfinite.e4m3x2.f32", "ld.shared.v2.u32", "cp.async.cg.shared.global",
+    for instruction in ("cvt.rn.f16x2.e4m3x2", "cvt.rn.satfinite.e4m3x2.f32", "cp.async.cg.shared.global",
                         "mma.sync.aligned.m16n8k16.row.col.f32"):
         assert instruction in ptx, instruction
     assert ("cvt.rn.bf16x2.f32" in ptx) == (dtype == "bf16")  # (bf16 by way of fp16 and fp32)
+    in_registers = spec.block_m == 16
+    assert ("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16" in ptx and "prmt.b32" in ptx) == in_registers
+    assert ("ld.shared.v2.u32" in ptx) == (not in_registers)
+    assert (spec.family.smem(spec).size < spec.replace(kv_dtype="").smem_bytes)
     plain = compile_ptx(spec.replace(kv_dtype=""), render(spec.replace(kv_dtype=""))).decode()
-    assert "e4m3" not in plain and "ld.shared.v2.u32" not in plain
+    assert "e4m3" not in plain and "ld.shared.v2.u32" not in plain and "x2.trans" not in plain
 
 
 def test_fp8_cache_kernels_compile_on_ada_without_spills():

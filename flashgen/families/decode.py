@@ -147,6 +147,13 @@ class DecodeAttention(Family):
         """Warps along the keys: they share rows and split each key tile between them."""
         return spec.num_warps // self.warps_m(spec)
 
+    def widens_in_shared(self, spec: KernelSpec) -> bool:
+        """Where an FP8 cache's values become q's type. With one warp along the rows (decode: at most
+        16 packed rows) each value is read by one warp, which widens it in registers as it reads it
+        (half the bytes through shared memory, no extra barrier). With more, every warp would widen
+        every value of the tile: the block widens each tile once in shared memory instead."""
+        return bool(spec.kv_dtype) and self.warps_m(spec) > 1
+
     @staticmethod
     def cache_row_bytes(spec: KernelSpec) -> int:
         """A cache tile row in the stages: the padded row, 16 bytes more (the ldmatrix bank rule)."""
@@ -192,8 +199,8 @@ class DecodeAttention(Family):
         # Then, in the block that merges the splits: each row's weight of every split, and at
         # least one split's partial rows (fp32); it stages as many splits as the space holds.
         merge = spec.block_m * MAX_SPLITS * 4 + spec.block_m * spec.head_dim * 4
-        # An FP8 cache's tiles are widened into one K and V tile of q's type that the products read.
-        wide = [Region("wide", 2 * spec.block_n * row)] if spec.kv_dtype else []
+        # An FP8 cache's tiles, where the warps widen them in shared memory, into one K and V tile of q's type.
+        wide = [Region("wide", 2 * spec.block_n * row)] if self.widens_in_shared(spec) else []
         return SmemLayout([Region("q", spec.block_m * row), Region("kv", spec.num_stages * stage), *wide],
                           overlays=[Region("reduce", reduce), Region("merge", merge)])
 
@@ -253,6 +260,7 @@ class DecodeAttention(Family):
             "blocks_per_sm": self.blocks_per_sm(spec),
             "paged": self.paged(spec),
             **cache_context(spec),
+            "widen": ("shared" if self.widens_in_shared(spec) else "registers") if spec.kv_dtype else "",
             "warps_m": self.warps_m(spec),
             "warps_n": self.warps_n(spec),
             "max_splits": MAX_SPLITS,
