@@ -407,10 +407,11 @@ def fp8_matmul_tflops(size: int = 8192) -> float:
 
 def fp8_rows(head_dims=FP8_HEAD_DIMS, seqlens=SEQLENS, causals=(False, True)) -> list[dict]:
     """Forward TFLOPS of flashgen's FP8 kernel beside its bf16 one and SDPA's cuDNN bf16 backend on
-    the same problem (the bf16 inputs quantized per batch and KV head, FlashAttention-3's descales)."""
+    the same problem (the bf16 inputs quantized per batch and KV head, FlashAttention-3's descales),
+    and the share of the FP8 call that V's transpose on the device (ops.fp8_values) takes."""
     import torch.nn.functional as F
 
-    from . import attention
+    from . import attention, ops
 
     def quantized(x):
         descale = x.float().abs().amax(dim=(2, 3)).clamp_min(1e-12) / 448.0
@@ -434,8 +435,10 @@ def fp8_rows(head_dims=FP8_HEAD_DIMS, seqlens=SEQLENS, causals=(False, True)) ->
                             times["cudnn"] = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
                     except RuntimeError:  # cuDNN does not take the shape
                         times["cudnn"] = float("nan")
+                    transpose_ms = time_ms(lambda: ops.fp8_values(v8))  # (inside the fp8 call: V, K-major for P V)
                 rows.append({"d": head_dim, "T": seqlen, "causal": causal,
-                             **{name: flops / ms / 1e9 for name, ms in times.items()}})
+                             **{name: flops / ms / 1e9 for name, ms in times.items()},
+                             "v_transpose_share": transpose_ms / times["fp8"]})
     return rows
 
 
@@ -449,11 +452,13 @@ def run_fp8(head_dims=FP8_HEAD_DIMS, seqlens=SEQLENS, json_path=None, console=No
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
               "fp8_matmul_tflops": fp8_matmul_tflops(), "rows": fp8_rows(head_dims, seqlens)}
     out = Table(title=f"forward TFLOPS, FP8 e4m3 (bf16 output) beside bf16, {report['gpu']} (B*T=16k)")
-    for column in ("d", "T", "causal", "flashgen fp8", "flashgen bf16", "cuDNN bf16", "fp8 / cuDNN", "fp8 / matmul"):
+    for column in ("d", "T", "causal", "flashgen fp8", "flashgen bf16", "cuDNN bf16", "fp8 / cuDNN", "fp8 / matmul",
+                   "V transpose share"):
         out.add_column(column, justify="right")
     for row in report["rows"]:
         out.add_row(str(row["d"]), str(row["T"]), "yes" if row["causal"] else "no", f"{row['fp8']:.0f}", f"{row['bf16']:.0f}",
-                    f"{row['cudnn']:.0f}", _ratio(row["fp8"], row["cudnn"]), f"{row['fp8'] / report['fp8_matmul_tflops']:.2f}")
+                    f"{row['cudnn']:.0f}", _ratio(row["fp8"], row["cudnn"]), f"{row['fp8'] / report['fp8_matmul_tflops']:.2f}",
+                    f"{row['v_transpose_share']:.1%}")
     console.print(out)
     console.print(f"FP8 matrix products on this GPU (torch._scaled_mm, 8192^3): {report['fp8_matmul_tflops']:.0f} TFLOPS")
     if json_path:
