@@ -104,6 +104,18 @@ def test_the_fp8_cache_kernels_hold_their_instructions(dtype, rows, paged):
     assert "e4m3" not in plain and "ld.shared.v2.u32" not in plain and "x2.trans" not in plain
 
 
+@pytest.mark.parametrize("head_dim", [32, 80, 112])
+def test_fp8_cache_rows_keep_ldmatrix_free_of_bank_conflicts_and_small_tiles_do_not_spill(head_dim):
+    """An e4m3 row in the stages is an odd number of 16-byte units (80 dims: 80 bytes; 32: 48), so
+    the 8 rows an ldmatrix reads fall in 8 bank groups; the smaller stages let more blocks share an
+    SM, but never so many that ptxas is left too few registers (it would spill)."""
+    spec = tuning.decode_spec(head_dim, "bf16", "sm_90a", False, 4, kv_dtype="e4m3")
+    row = spec.family.cache_row_bytes(spec)
+    assert row % 16 == 0 and row // 16 % 2 == 1 and row - head_dim in (0, 16)
+    resources = compile_source(spec, render(spec)).resources
+    assert resources.spills == 0 and resources.stack_frame == 0
+
+
 def test_fp8_cache_kernels_compile_on_ada_without_spills():
     for spec in (tuning.decode_spec(128, "bf16", "sm_89", True, 4, kv_dtype="e4m3"),
                  tuning.decode_spec(64, "fp16", "sm_89", False, 40, kv_dtype="e4m3")):

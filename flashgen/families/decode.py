@@ -13,7 +13,8 @@ partial attention states by their log-sum-exp.
   varlen (decode_paged only) it serves flash_attn_varlen_func's block_table: packed sequences of
   queries (cu_seqlens_q) over their pages of a paged cache (cu_seqlens_k), nothing appended.
   With kv_dtype "e4m3" the cache is FP8 with a descale per (sequence, KV head): its tiles stream
-  in at a byte an element, are widened (exactly) to the queries' type in shared memory, the
+  in at a byte an element and are widened (exactly) to the queries' type, in registers as a
+  decode block's warp reads them, or in shared memory by a 64-row block (widens_in_shared); the
   scores take k_descale and the output v_descale, and appended keys are stored divided by their
   descale, rounded and saturated (and read the same way by the attention that appends them).
 - MergeStates (merge) and MergeStatesFp32 (merge_fp32): o = sum_s exp(lse_s - lse) o_s with
@@ -47,12 +48,18 @@ def fast_divisor(divisor: int) -> tuple[int, int]:
     return magic, shift
 
 
+REGISTER_FLOOR = 128  # registers a decode thread keeps at least: O's and S's accumulators, the operands in flight
+
+
 def _occupancy(spec: KernelSpec, threads: int, smem: int) -> int:
     """Blocks of this size one SM holds at once, by shared memory and threads (each block also
-    takes 1 KiB of shared memory for the system; the SM has 1 KiB more than a block may use)."""
+    takes 1 KiB of shared memory for the system; the SM has 1 KiB more than a block may use), and
+    no more than leave each thread REGISTER_FLOOR registers (the launch bounds ask ptxas for this
+    many blocks: small e4m3 tiles would otherwise leave it too few registers, and it would spill)."""
     by_smem = (SMEM_LIMIT[spec.arch] + 1024) // (smem + 1024)
     by_threads = (1536 if spec.arch in ("sm_86", "sm_87", "sm_89") else 2048) // threads  # 48 warps below sm_80/90
-    return max(1, min(by_smem, by_threads, 16))
+    by_registers = 65536 // (threads * REGISTER_FLOOR)
+    return max(1, min(by_smem, by_threads, by_registers, 16))
 
 
 def new_rows() -> list[Param]:
@@ -156,8 +163,11 @@ class DecodeAttention(Family):
 
     @staticmethod
     def cache_row_bytes(spec: KernelSpec) -> int:
-        """A cache tile row in the stages: the padded row, 16 bytes more (the ldmatrix bank rule)."""
-        return spec.head_dim_pad * spec.cache_element.bytes + 16
+        """A cache tile row in the stages: the padded row, plus 16 bytes where that makes the row an
+        odd number of 16-byte units, so that the 8 rows an ldmatrix reads fall in 8 bank groups (a
+        16-bit row always takes them; an e4m3 row of an odd number of 16 dims needs none)."""
+        row = spec.head_dim_pad * spec.cache_element.bytes
+        return row + (16 if row // 16 % 2 == 0 else 0)
 
     def check(self, spec: KernelSpec) -> None:
         if spec.kv_dtype:
