@@ -96,7 +96,9 @@ def test_occupancy_counts_shared_memory_and_threads():
     small = KernelSpec(head_dim=64, block_m=16, block_n=64, num_stages=2, kind="decode")
     big = KernelSpec(head_dim=256, block_m=16, block_n=64, num_stages=3, kind="decode")
     assert big.family.blocks_per_sm(big) == 1 and big.smem_bytes > 113 * 1024
-    assert small.family.blocks_per_sm(small) == (227 * 1024 + 1024) // (small.smem_bytes + 1024)
+    assert small.family.blocks_per_sm(small) == (227 * 1024 + 1024) // (small.smem_bytes + 1024) == 5
+    fp8 = small.replace(kv_dtype="e4m3")  # (smaller stages, but a thread keeps 128 registers: 4 blocks of 128)
+    assert fp8.smem_bytes < small.smem_bytes and fp8.family.blocks_per_sm(fp8) == 4
 
 
 # ---- the page-size division and the split count -----------------------------------------------

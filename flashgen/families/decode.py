@@ -48,17 +48,18 @@ def fast_divisor(divisor: int) -> tuple[int, int]:
     return magic, shift
 
 
-REGISTER_FLOOR = 128  # registers a decode thread keeps at least: O's and S's accumulators, the operands in flight
+FP8_REGISTER_FLOOR = 128  # registers an FP8-cache decode thread keeps at least (the widened operands take more)
 
 
 def _occupancy(spec: KernelSpec, threads: int, smem: int) -> int:
     """Blocks of this size one SM holds at once, by shared memory and threads (each block also
-    takes 1 KiB of shared memory for the system; the SM has 1 KiB more than a block may use), and
-    no more than leave each thread REGISTER_FLOOR registers (the launch bounds ask ptxas for this
-    many blocks: small e4m3 tiles would otherwise leave it too few registers, and it would spill)."""
+    takes 1 KiB of shared memory for the system; the SM has 1 KiB more than a block may use); with
+    an FP8 cache no more than leave each thread FP8_REGISTER_FLOOR registers (the launch bounds ask
+    ptxas for this many blocks: the small e4m3 stages would otherwise leave it too few, and it
+    would spill, as at d = 80)."""
     by_smem = (SMEM_LIMIT[spec.arch] + 1024) // (smem + 1024)
     by_threads = (1536 if spec.arch in ("sm_86", "sm_87", "sm_89") else 2048) // threads  # 48 warps below sm_80/90
-    by_registers = 65536 // (threads * REGISTER_FLOOR)
+    by_registers = 65536 // (threads * FP8_REGISTER_FLOOR) if spec.kv_dtype else 16
     return max(1, min(by_smem, by_threads, by_registers, 16))
 
 
