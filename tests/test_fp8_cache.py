@@ -197,3 +197,16 @@ def test_build_makes_the_fp8_cache_kernels():
     assert "--kv-dtype e4m3" in workload.command(fp8[0])
     with pytest.raises(SpecError, match="kv_dtypes: 'e5m2' not among"):
         workload.Workload(head_dims=(128,), entries=("kvcache",), kv_dtypes=("e5m2",))
+
+
+def test_an_fp8_cache_on_a_gpu_without_fp8_is_refused_by_name(driver, stub_kernels, monkeypatch):
+    """On an A100 (sm_80: no e4m3 conversions) the call's plan refuses the cache, naming the targets that take it."""
+    from flashgen import plans
+
+    monkeypatch.setitem(plans._arch, -1, "sm_80")
+    monkeypatch.setitem(plans._sm_counts, -1, 108)
+    q, k_cache = torch.zeros(1, 1, 8, 128, dtype=BF16), torch.zeros(1, 64, 2, 128, dtype=E4M3)
+    descale = torch.ones(1, 2)
+    with pytest.raises(SpecError, match=r"kv_dtype='e4m3' on sm_80: an FP8 cache needs a target with FP8 conversions \(sm_89, sm_90, sm_90a\)"):
+        ops.kvcache(q, k_cache, k_cache, None, None, None, None, False, 64, 0, 0.125, False, variants.PLAIN, "", None, None, None, None,
+                    1, False, k_descale=descale, v_descale=descale)
