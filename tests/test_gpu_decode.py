@@ -406,34 +406,42 @@ def test_split_windows_see_only_their_tiles(window, num_splits):
     problem.run(window_size=window, causal=True, num_splits=num_splits)
 
 
-def test_a_windowed_decode_step_replays_from_a_cuda_graph():
-    """The window, cap and slopes are kernel arguments: one captured step replays as the cache grows,
-    the window following each sequence's end."""
-    problem = Problem(3, 1, 8, 2, 128, [5, 500, 1000], new=1, page_size=16, capacity=1100, seed=23)
+def replayed_steps(problem, options: dict, growth: list, seed: int) -> None:
+    """Capture one decode step of `problem` (attention_with_kvcache with `options`, causal) in a CUDA
+    graph, after a call off the graph that loads its kernels; then per entry of `growth` write new
+    q, k, v into the captured tensors, replay, check against the oracle (output, lse, the appends),
+    and grow each sequence's length by the entry's."""
     args, keywords = problem.arguments()
-    variant = dict(window_size=(300, 0), softcap=6.0, alibi_slopes=slopes(3, 8, per_sequence=True))
-    options = dict(causal=True, return_softmax_lse=True, **variant)
-    assert plans.decode(0, 128, torch.bfloat16, True, 4, 3, 2, 1 + 300, 0, ("window", "softcap", "alibi"))[1] > 1  # split
+    options = dict(causal=True, **options)
     warm = [t.clone() if t is not None else None for t in args]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        flashgen.attention_with_kvcache(*warm, **keywords, **options)
+        flashgen.attention_with_kvcache(*warm, **keywords, return_softmax_lse=True, **options)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out, lse = flashgen.attention_with_kvcache(*args, **keywords, **options)
-    gen = torch.Generator(device="cuda").manual_seed(6)
-    for step in range(4):
+        out, lse = flashgen.attention_with_kvcache(*args, **keywords, return_softmax_lse=True, **options)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    for step, grow in enumerate(growth):
         for t in (problem.q, problem.k, problem.v):
             t.copy_(torch.randn(t.shape, device="cuda", dtype=t.dtype, generator=gen))
-        ref, ref_lse, ref_k, ref_v = problem.oracle(causal=True, **variant)
-        ref_lp = problem.oracle(upcast=False, causal=True, **variant)[0]
+        ref, ref_lse, ref_k, ref_v = problem.oracle(**options)
+        ref_lp = problem.oracle(upcast=False, **options)[0]
         graph.replay()
         torch.cuda.synchronize()
         check(out, lse, ref, ref_lse, ref_lp)
         assert torch.equal(problem.k_cache.cpu(), ref_k) and torch.equal(problem.v_cache.cpu(), ref_v), f"step {step}"
-        problem.cache_seqlens += torch.tensor([1, 1 + 100 * step, 0], device="cuda", dtype=torch.int32)
+        problem.cache_seqlens += torch.tensor(grow, device="cuda", dtype=torch.int32)
+
+
+def test_a_windowed_decode_step_replays_from_a_cuda_graph():
+    """The window, cap and slopes are kernel arguments: one captured step replays as the cache grows,
+    the window following each sequence's end."""
+    problem = Problem(3, 1, 8, 2, 128, [5, 500, 1000], new=1, page_size=16, capacity=1100, seed=23)
+    variant = dict(window_size=(300, 0), softcap=6.0, alibi_slopes=slopes(3, 8, per_sequence=True))
+    assert plans.decode(0, 128, torch.bfloat16, True, 4, 3, 2, 1 + 300, 0, ("window", "softcap", "alibi"))[1] > 1  # split
+    replayed_steps(problem, variant, [[1, 1 + 100 * step, 0] for step in range(4)], seed=6)
 
 
 def test_variant_errors_on_the_gpu():

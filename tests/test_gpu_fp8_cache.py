@@ -6,7 +6,7 @@ rounded to nearest e4m3, saturated)."""
 
 import pytest
 import torch
-from test_gpu_decode import VARIANTS, Problem, check, rotary_tables, with_slopes
+from test_gpu_decode import VARIANTS, Problem, check, replayed_steps, rotary_tables, with_slopes
 
 import flashgen
 from flashgen import reference
@@ -114,29 +114,8 @@ def test_appends_saturate_and_never_make_nan():
 
 def test_fp8_decode_step_replays_from_a_cuda_graph():
     problem = Fp8Problem(3, 1, 8, 2, 128, [5, 100, 1000], new=1, page_size=16, capacity=1100, seed=21)
-    args, keywords = problem.arguments()
-    options = dict(causal=True, return_softmax_lse=True, k_descale=problem.k_descale, v_descale=problem.v_descale)
-    warm = [t.clone() if t is not None else None for t in args]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        flashgen.attention_with_kvcache(*warm, **keywords, **options)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = flashgen.attention_with_kvcache(*args, **keywords, **options)
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    for step in range(3):
-        for t in (problem.q, problem.k, problem.v):
-            t.copy_(torch.randn(t.shape, device="cuda", dtype=t.dtype, generator=gen))
-        oracle = dict(causal=True, k_descale=problem.k_descale, v_descale=problem.v_descale)
-        ref, ref_lse, ref_k, ref_v = problem.oracle(**oracle)
-        ref_lp = problem.oracle(upcast=False, **oracle)[0]
-        graph.replay()
-        torch.cuda.synchronize()
-        check(out, lse, ref, ref_lse, ref_lp)
-        assert torch.equal(problem.k_cache.cpu(), ref_k) and torch.equal(problem.v_cache.cpu(), ref_v), f"step {step}"
-        problem.cache_seqlens += torch.tensor([1, 1 + step, 0], device="cuda", dtype=torch.int32)
+    replayed_steps(problem, dict(k_descale=problem.k_descale, v_descale=problem.v_descale),
+                   [[1, 1 + step, 0] for step in range(3)], seed=5)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
