@@ -118,19 +118,27 @@ def check_variant(q, cu_seqlens_q, max_seqlen_k, causal, window_size, softcap, a
 
 def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, window_size=(-1, -1),
                  softcap=0.0, alibi_slopes=None, block_table=None, learnable_sink=None,
-                 well_formed: bool | None = None) -> variants.Variant:
+                 well_formed: bool | None = None, cache_descales: dict | None = None) -> variants.Variant:
     """Raise a clear error for anything the kernels cannot take (nothing that needs a sync);
-    returns the call's variants. well_formed: the fast test's answer where the caller has it."""
+    returns the call's variants. well_formed: the fast test's answer where the caller has it.
+    cache_descales (name: tensor or None): a paged cache's k_descale and v_descale, which an FP8
+    cache needs and a 16-bit one refuses."""
     if well_formed is None:
         well_formed = block_table is None and _well_formed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if well_formed:
         return check_variant(q, cu_seqlens_q, max_seqlen_k, causal, window_size, softcap, alibi_slopes, learnable_sink)
-    check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=block_table)
+    descales = cache_descales or {}
+    fp8_cache = block_table is not None and inputs.is_float8(k)
+    check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=block_table, fp8_cache=fp8_cache)
+    if fp8_cache:
+        inputs.fp8_cache(q, {"k": k, "v": v}, descales, cu_seqlens_q.shape[0] - 1, k.shape[2])
+    else:
+        inputs.no_cache_descales(descales, k.dtype)
     variant = check_variant(q, cu_seqlens_q, max_seqlen_k, causal, window_size, softcap, alibi_slopes, learnable_sink)
     if block_table is not None:
         _check_paged(q, k, v)
     inputs.on_one_cuda_device("attention_varlen", {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q,
-                                                   "cu_seqlens_k": cu_seqlens_k, "block_table": block_table})
+                                                   "cu_seqlens_k": cu_seqlens_k, "block_table": block_table, **descales})
     return variant
 
 
@@ -201,23 +209,28 @@ def attention_varlen(
     """
     q, k, v = ops.autocast_inputs(q, k, v)  # (FP8 inputs stay as they are)
     well_formed = block_table is None and _well_formed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    # FP8 (its arguments, or inputs the 16-bit fast test refuses that are FP8): a path of its own, off the hot one
-    if (out_dtype is not None or not q_descale is k_descale is v_descale is None
-            or (not well_formed and (getattr(q, "dtype", None) in FP8_DTYPES or (block_table is not None and inputs.is_float8(k))))):
+    # FP8 queries (their arguments, or inputs the 16-bit fast test refuses that are FP8): a path of their own, off the
+    # hot one. (A paged call takes its cache's descales on the paged path: check_inputs checks them.)
+    paged = block_table is not None
+    if (out_dtype is not None or q_descale is not None or (not paged and not k_descale is v_descale is None)
+            or (not well_formed and getattr(q, "dtype", None) in FP8_DTYPES)):
         return _fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                     window_size, softcap, alibi_slopes, return_lse, block_table, learnable_sink, q_descale, k_descale, v_descale,
                     out_dtype)
     check_no_dropout(dropout_p)
-    if block_table is not None and torch.compiler.is_compiling():  # one op; its checks run when it runs
+    if paged and torch.compiler.is_compiling():  # one op; its checks run when it runs
         o, lse = ops.attention_varlen_paged_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
-                                               softmax_scale, causal, return_lse, None, None, [int(side) for side in window_size],
-                                               float(softcap), alibi_slopes, learnable_sink)  # (variants.KEYWORDS' order)
+                                               softmax_scale, causal, return_lse, k_descale, v_descale,
+                                               [int(side) for side in window_size], float(softcap), alibi_slopes,
+                                               learnable_sink)  # (variants.KEYWORDS' order)
         return (o, lse) if return_lse else o
     chosen = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_size, softcap,
-                          alibi_slopes, block_table, learnable_sink, well_formed=well_formed)
-    if block_table is not None:
+                          alibi_slopes, block_table, learnable_sink, well_formed=well_formed,
+                          cache_descales={"k_descale": k_descale, "v_descale": v_descale})
+    if paged:
         o, lse = ops.paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, bool(causal),
-                                  inputs.softmax_scale(softmax_scale, q.shape[-1]), chosen, bool(return_lse))
+                                  inputs.softmax_scale(softmax_scale, q.shape[-1]), chosen, bool(return_lse),
+                                  k_descale=k_descale, v_descale=v_descale)
         return (o, lse) if return_lse else o
     o, lse = ops.attention(q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
                            bool(causal), inputs.softmax_scale(softmax_scale, q.shape[-1]), "", bool(deterministic),
@@ -227,14 +240,13 @@ def attention_varlen(
 
 def _fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
          softcap, alibi_slopes, return_lse, block_table, learnable_sink, q_descale, k_descale, v_descale, out_dtype):
-    """attention_varlen with FP8 inputs: checked, then the FP8 forward over packed sequences (or,
-    16-bit queries over a paged FP8 cache, the decode plan's varlen kernel)."""
+    """attention_varlen with FP8 inputs: checked, then the FP8 forward over packed sequences."""
     check_no_dropout(dropout_p)
     inputs.tensor("q", q)
-    if block_table is not None and q.dtype not in FP8_DTYPES:
-        return _paged_fp8_cache(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size,
-                                softcap, alibi_slopes, return_lse, block_table, learnable_sink, q_descale, k_descale, v_descale,
-                                out_dtype)
+    if block_table is not None and q.dtype not in FP8_DTYPES:  # (a paged FP8 cache: 16-bit queries, its own dtype out)
+        if q_descale is not None:
+            raise ValueError("q_descale is for FP8 queries; over a paged FP8 cache (block_table) q is float16 or bfloat16")
+        raise ValueError(f"out_dtype={out_dtype}: over a paged FP8 cache the output has q's dtype, {q.dtype}")
     if q.dtype not in FP8_DTYPES:
         raise TypeError(f"q has dtype {q.dtype}: q_descale, k_descale, v_descale and out_dtype are for FP8 inputs "
                         "(torch.float8_e4m3fn q, k and v)")
@@ -255,27 +267,3 @@ def _fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropou
                              inputs.softmax_scale(softmax_scale, q.shape[-1]), out_dtype, bool(return_lse), chosen.op_args())
     return (o, lse) if return_lse else o
 
-
-def _paged_fp8_cache(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size,
-                     softcap, alibi_slopes, return_lse, block_table, learnable_sink, q_descale, k_descale, v_descale, out_dtype):
-    """attention_varlen of 16-bit queries over a paged FP8 cache (k, v float8_e4m3fn with k_descale
-    and v_descale, fp32 (batch, heads_kv)): checked, then the decode plan's varlen kernel."""
-    if torch.compiler.is_compiling():  # one op; its checks run when it runs
-        o, lse = ops.attention_varlen_paged_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
-                                               softmax_scale, causal, return_lse, k_descale, v_descale,
-                                               [int(side) for side in window_size], float(softcap), alibi_slopes, learnable_sink)
-        return (o, lse) if return_lse else o
-    if q_descale is not None:
-        raise ValueError("q_descale is for FP8 queries; over a paged FP8 cache (block_table) q is float16 or bfloat16")
-    if out_dtype is not None and out_dtype != q.dtype:
-        raise ValueError(f"out_dtype={out_dtype}: over a paged FP8 cache the output has q's dtype, {q.dtype}")
-    check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=block_table, fp8_cache=True)
-    inputs.fp8_cache(q, {"k": k, "v": v}, {"k_descale": k_descale, "v_descale": v_descale}, cu_seqlens_q.shape[0] - 1, k.shape[2])
-    chosen = check_variant(q, cu_seqlens_q, max_seqlen_k, causal, window_size, softcap, alibi_slopes, learnable_sink)
-    _check_paged(q, k, v)
-    inputs.on_one_cuda_device("attention_varlen", {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
-                                                   "block_table": block_table, "k_descale": k_descale, "v_descale": v_descale})
-    o, lse = ops.paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, bool(causal),
-                              inputs.softmax_scale(softmax_scale, q.shape[-1]), chosen, bool(return_lse),
-                              k_descale=k_descale, v_descale=v_descale)
-    return (o, lse) if return_lse else o
