@@ -2,7 +2,8 @@
 profile just its kernels (after a warm-up that compiles and plans them).
 Usage: ncu --profile-from-start off --clock-control none ... python3 .ci/profile.py NAME
 NAME: fwd, fwd_softcap, bwd, bwd_softcap (d = 128, T = 8k), doc_fwd, doc_bwd, causal64_fwd,
-causal64_bwd (d = 64, T = 8k), decode8k (B = 1, 32:8 heads, d = 128, paged=0), packed_prefill,
+causal64_bwd (d = 64, T = 8k), decode8k, decode64k (B = 1, 32:8 heads, d = 128; a suffix _e4m3 for the
+FP8 cache, _paged for 16-token pages: decode64k_e4m3_paged), packed_prefill,
 paged16, paged256 (.ci/bench_paged_prefill.py's problem: 16 x 2048 queries over 8k keys, causal, d = 128,
 packed or in shuffled pages of 16 or 256 tokens), dv128_bwd, dv128_causal_bwd (d = 192, d_v = 128,
 T = 8k, .ci/bench_head_dim_v.py's shape) (needs a GPU)."""
@@ -42,7 +43,9 @@ def workload(name):
         return lambda: torch.autograd.grad(out, leaves, d_o, retain_graph=True)
     if name.startswith("decode"):
         gen = torch.Generator(device="cuda").manual_seed(0)
-        inputs = bench._decode_step(1, 8192, False, gen)
+        size, *flags = name[len("decode"):].split("_")
+        inputs = bench._decode_step(1, int(size.rstrip("k")) * 1024, "paged" in flags, gen,
+                                    cache="e4m3" if "e4m3" in flags else "bf16")
         return bench._flashgen_step(inputs)
     d = 64 if name.startswith(("doc", "causal64")) else 128
     q, k, v = bench._inputs(8192, d)

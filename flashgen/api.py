@@ -183,7 +183,7 @@ def _fp8_call(q, k, v, causal, scale, return_lse, spec, q_descale, k_descale, v_
         out_dtype = torch.bfloat16 if spec is None else getattr(torch, spec.output_element.torch)
     inputs.fp8({"q": q, "k": k, "v": v}, descales, out_dtype, q.shape[0], k.shape[1])
     check_inputs(q, k, v, fp8=True)
-    inputs.on_one_cuda_device("attention", descales)
+    inputs.on_one_cuda_device("attention", {"q": q, **descales})  # (descales may all be None: 1)
     learning = [name for name, value in keywords.items() if isinstance(value, torch.Tensor) and value.requires_grad]
     if learning and torch.is_grad_enabled():
         raise RuntimeError(f"{inputs.listed(learning)} require{'s' if len(learning) == 1 else ''} grad: FP8 attention is "

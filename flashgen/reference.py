@@ -210,24 +210,27 @@ def _dequantized(q, k, v, descales: dict, out_dtype):
 FP8_P_LOG2 = 8  # the FP8 forward's exponentials run 2^8 above each row's max (P in [0, 256], rounded to e4m3)
 
 
-def fp8_emulated(q, k, v, causal=False, scale=None, *, q_descale=None, k_descale=None, v_descale=None):
+def fp8_emulated(q, k, v, causal=False, scale=None, *, q_descale=None, k_descale=None, v_descale=None,
+                 window_size=(-1, -1), softcap=0.0, alibi_slopes=None, learnable_sink=None):
     """The FP8 numerics rule's yardstick (README): the FP8 forward's computation done by PyTorch,
     on FP8 q, k, v ((batch, heads, seq, d), GQA allowed) with FlashAttention-3's descales. The
-    dequantized inputs in bf16, their products in fp32, P = 2^FP8_P_LOG2 exp(s - m) rounded to
-    e4m3 (saturating) for P V and divided by the unrounded sum. Returns bf16 (batch, heads,
-    seq_q, d_v); a row that sees no key gives 0."""
+    dequantized inputs in bf16, their products in fp32, the variants as naive_attention applies
+    them, P = 2^FP8_P_LOG2 exp(s - m) rounded to e4m3 (saturating) for P V and divided by the
+    unrounded sum (a sink's term included). Returns bf16 (batch, heads, seq_q, d_v); a row that
+    sees no key gives 0."""
     if q.dtype != torch.float8_e4m3fn:
         raise ValueError(f"fp8_emulated takes float8_e4m3fn inputs; got {q.dtype}")
     q, k, v, _ = _dequantized(q, k, v, {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}, None)
     q, k, v = (t.to(torch.bfloat16).float() for t in (q, k, v))
     k, v = _expand_kv(q, k, v)
     scores = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    if causal:
-        scores = scores.masked_fill(~visible(q.shape[2], k.shape[2], q.device), -math.inf)
+    scores = _masked(_capped_and_biased(scores, softcap, alibi_slopes), causal, _clip_window(window_size, k.shape[-2]))
     top = scores.amax(-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     e = torch.exp(scores - top) * 2.0**FP8_P_LOG2
     total = e.sum(-1, keepdim=True)
+    if learnable_sink is not None:  # one more term of the sum that carries no value
+        total = total + torch.exp(learnable_sink.float().view(-1, 1, 1) - top) * 2.0**FP8_P_LOG2
     out = (e.clamp_max(448.0).to(torch.float8_e4m3fn).float() @ v) / torch.where(total > 0, total, torch.ones_like(total))
     return out.to(torch.bfloat16)
 

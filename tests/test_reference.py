@@ -422,3 +422,21 @@ def test_the_fp8_yardstick_rounds_p_to_e4m3_above_the_row_max():
     assert torch.equal(one.float(), (v[:, :, :1].float() * 0.5).to(torch.bfloat16).float())
     none_seen = reference.fp8_emulated(q[:, :, :3], k[:, :, :1], v[:, :, :1], True)  # query rows 0, 1 see no key
     assert torch.equal(none_seen[:, :, :2].float(), torch.zeros(1, 2, 2, 32))
+
+
+def test_the_fp8_yardstick_applies_the_variants_as_the_oracle_does():
+    """fp8_emulated with a window, softcap, ALiBi or a sink stays within the rounding's error of
+    the oracle with the same variant, and far from it without the variant (so the bound the GPU
+    tier draws from it for each variant is that variant's)."""
+    import torch
+
+    from flashgen import reference
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 64, 32).mul(3).to(torch.float8_e4m3fn) for _ in range(3))
+    for options in (dict(window_size=(8, 0)), dict(softcap=2.0), dict(alibi_slopes=torch.tensor([0.5, 1.0])),
+                    dict(learnable_sink=torch.tensor([4.0, 6.0]))):
+        exact = reference.naive_attention(q, k, v, causal=True, out_dtype=torch.float32, **options)
+        with_it = (reference.fp8_emulated(q, k, v, True, **options).float() - exact).abs().max().item()
+        without = (reference.fp8_emulated(q, k, v, True).float() - exact).abs().max().item()
+        assert with_it < 0.3 < 3 < without, (options, with_it, without)
