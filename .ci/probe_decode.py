@@ -1,20 +1,29 @@
-"""GPU time of one decode step (bench --decode's problem: B = 1, 32:8 heads, d = 128, bf16) under
+"""GPU time of one decode step (bench --decode's problem: B = 1, 32:8 heads, d = 128, bf16 q) under
 other decode tile shapes and split counts; each output compared with the tables' own pick.
-Usage: python3 .ci/probe_decode.py  (needs a GPU)."""
+Usage: python3 .ci/probe_decode.py [--cache e4m3] [--seqlens 8192,65536] [--contiguous]  (needs a GPU)."""
+
+import argparse
 
 import torch
 
 from flashgen import bench, plans, tuning
 from flashgen.serving import attention_with_kvcache
 
-TILES = [(64, 4, 3), (64, 4, 4), (64, 4, 6), (128, 4, 3), (128, 8, 3), (128, 8, 2), (64, 2, 4), (32, 2, 6)]
+TILES = [(64, 4, 3), (64, 4, 4), (64, 4, 6), (128, 4, 3), (128, 8, 3), (128, 8, 2), (64, 2, 4), (32, 2, 6), (64, 4, 2),
+         (64, 8, 3), (128, 4, 2), (32, 2, 3)]
 
 
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cache", default="bf16", choices=["bf16", "e4m3"])
+    parser.add_argument("--seqlens", default="8192,65536")
+    parser.add_argument("--contiguous", action="store_true", help="no paged runs")
+    args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for seqlen in (8192, 65536):
-        for paged in (False, True):
-            inputs = bench._decode_step(1, seqlen, paged, gen)
+    kv_dtype = "e4m3" if args.cache == "e4m3" else ""
+    for seqlen in map(int, args.seqlens.split(",")):
+        for paged in (False,) if args.contiguous else (False, True):
+            inputs = bench._decode_step(1, seqlen, paged, gen, cache=args.cache)
             k_cache, v_cache = inputs["k_cache"].clone(), inputs["v_cache"].clone()
             ref = attention_with_kvcache(**inputs, causal=True).float()
             kind = "decode_paged" if paged else "decode"
@@ -24,7 +33,7 @@ def main():
                 with tuning.override([entry]):
                     spec, splits = None, None
                     try:
-                        plan, splits = plans.decode(0, 128, torch.bfloat16, paged, 4, 1, 8, seqlen + 1)
+                        plan, splits = plans.decode(0, 128, torch.bfloat16, paged, 4, 1, 8, seqlen + 1, kv_dtype=kv_dtype)
                         spec = plan.kernels[0].spec
                         for forced in (0, splits * 2):
                             step = lambda: attention_with_kvcache(**inputs, causal=True, num_splits=forced)  # noqa: E731
