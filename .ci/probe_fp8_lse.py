@@ -6,7 +6,6 @@ error against the oracle of flashgen, of the lse from fast-accumulated scores an
 promoted ones (max, RMSE, mean signed), and flashgen's distance to the fast-accumulated lse.
 Usage: python3 .ci/probe_fp8_lse.py  (needs an sm_90 GPU)."""
 
-import math
 import sys
 
 import torch
@@ -15,32 +14,10 @@ import flashgen
 from flashgen import reference
 
 sys.path.insert(0, "tests")
-from test_gpu_fp8 import problem  # noqa: E402
+from test_gpu_fp8 import problem, tensor_core_lse  # noqa: E402
 
 SHAPES = {"gqa-d128": (2, 8, 2, 1000, 1000, 128), "d64-tq<tk": (1, 4, 4, 333, 1500, 64),
           "mqa-d256": (1, 4, 1, 700, 700, 256), "d192-v128": (1, 4, 2, 500, 500, 192, 128)}
-
-
-def tensor_core_scores(q, k, qd, kd, fast):
-    """q k^T in fp32 from torch._scaled_mm, per (batch, head), times the descales."""
-    batch, heads, rows, dim = q.shape
-    group, keys = heads // k.shape[1], k.shape[2]
-    padded = lambda t: torch.cat([t, t.new_zeros(-t.shape[0] % 16, dim)]) if t.shape[0] % 16 else t  # noqa: E731
-    one = torch.tensor(1.0, device=q.device)
-    out = torch.empty(batch, heads, rows, keys, device=q.device)
-    for b in range(batch):
-        for h in range(heads):
-            a, c = padded(q[b, h]), padded(k[b, h // group])
-            s = torch._scaled_mm(a, c.t(), scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=fast)
-            out[b, h] = s[:rows, :keys] * (qd[b, h // group] * kd[b, h // group])
-    return out
-
-
-def lse_of(scores, causal, dim):
-    scores = scores * dim ** -0.5
-    if causal:
-        scores = scores.masked_fill(~reference.visible(scores.shape[-2], scores.shape[-1], scores.device), -math.inf)
-    return torch.logsumexp(scores, -1)
 
 
 def stats(a, b, visible):
@@ -59,7 +36,7 @@ def main():
                 _, ref = reference.naive_attention(q, k, v, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd,
                                                    out_dtype=torch.float32, return_lse=True)
                 visible = torch.isfinite(ref)
-                fast, promoted = (lse_of(tensor_core_scores(q, k, qd, kd, f), causal, q.shape[-1]) for f in (True, False))
+                fast, promoted = (tensor_core_lse(q, k, qd, kd, causal, f) for f in (True, False))
                 tag = f"{name} {'causal' if causal else 'full'} {'outliers' if outliers else 'normal'}"
                 print(f"{tag}: flashgen   {stats(lse, ref, visible)}")
                 print(f"{tag}: fast-accum {stats(fast, ref, visible)}")
