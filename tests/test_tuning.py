@@ -19,7 +19,7 @@ def test_table_is_well_formed_and_written_canonically():
     for entry in doc["entries"]:
         assert entry["kind"] in BY_KIND, entry
         assert set(tuning.KEY_FIELDS) | {"tiles", "source"} <= set(entry), entry
-        assert entry["causal"] in (True, False, "*") and entry["dtype"] in ("bf16", "fp16", "*")
+        assert entry["causal"] in (True, False, "*") and entry["dtype"] in ("bf16", "fp16", "e4m3", "*")
         assert entry["bucket"] in ("short", "long", "*")
         assert entry.get("varlen", "*") in (True, False, "*") and set(entry) <= set(tuning.KEY_FIELDS + tuning.OPTIONAL_FIELDS) | {"head_dim_v", "tiles", "source", "tflops"}
         for tiles in entry["tiles"]:
