@@ -195,8 +195,6 @@ def on_one_cuda_device(function: str, named: dict) -> None:
     """Every tensor given (name: tensor or None) is on one device, a CUDA GPU."""
     given = {name: t for name, t in named.items() if t is not None}
     devices = {t.device for t in given.values()}
-    if not devices:  # (only optional tensors, none given)
-        return
     if len(devices) > 1:
         raise ValueError(f"{listed(given)} must be on one device; got "
                          + ", ".join(f"{name} {t.device}" for name, t in given.items()))

@@ -88,8 +88,8 @@ def test_the_fp8_cache_kernels_hold_their_instructions(dtype, rows, paged):
     """The cache streams in at a byte an element (16-byte cp.async of e4m3 rows), is widened with
     the e4m3x2 conversion, and appends are rounded with satfinite; the 16-bit kernel has none of it.
     A decode block (one warp along the rows) reads the e4m3 tiles with ldmatrix and widens them in
-    registers (K's bytes as they come, V's regrouped by dim with prmt); a 64-row block widens each
-    tile once in shared memory (8-byte loads)."""
+    registers to fp16, its products' type (K's bytes as they come, V's regrouped by dim with prmt);
+    a 64-row block widens each tile once in shared memory (8-byte loads), to q's type."""
     spec = tuning.decode_spec(128, dtype, "sm_90a", paged, rows, kv_dtype="e4m3")
     ptx = compile_ptx(spec, render(spec)).decode()
     for instruction in ("cvt.rn.f16x2.e4m3x2", "cvt.rn.satfinite.e4m3x2.f32", "cp.async.cg.shared.global",
@@ -99,6 +99,9 @@ def test_the_fp8_cache_kernels_hold_their_instructions(dtype, rows, paged):
     in_registers = spec.block_m == 16
     assert ("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16" in ptx and "prmt.b32" in ptx) == in_registers
     assert ("ld.shared.v2.u32" in ptx) == (not in_registers)
+    # one warp along the rows: every product in fp16 (the cache widens to it in one cvt), whatever q's type
+    assert ("m16n8k16.row.col.f32.bf16.bf16.f32" in ptx) == (dtype == "bf16" and not in_registers)
+    assert ("cvt.rn.f16x2.f32" in ptx) == in_registers  # (P, and bf16 Q once)
     stages = {r.name: r.bytes for r in spec.family.smem(spec).regions}["kv"]
     plain_stages = {r.name: r.bytes for r in spec.family.smem(spec.replace(kv_dtype="")).regions}["kv"]
     assert stages < 0.6 * plain_stages  # (bytes a row: d, padded to an odd number of 16-byte units)

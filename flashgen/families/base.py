@@ -197,6 +197,7 @@ class Family:
             "elem_bytes": spec.element.bytes,
             "elem_storage": spec.element.storage,
             "fp8": spec.element.bytes == 1,
+            "p_offset": spec.element.bytes == 1,  # P's exponentials 2^P_LOG2 above the row's max (softmax.cuh.j2)
             "kv_fp8": bool(spec.kv_dtype),  # an FP8 KV cache (decode kernels)
             "out_ptx_type": spec.output_element.ptx,  # the output's (the element type's, but for FP8 inputs)
             "out_storage": spec.output_element.storage,

@@ -13,9 +13,10 @@ partial attention states by their log-sum-exp.
   varlen (decode_paged only) it serves flash_attn_varlen_func's block_table: packed sequences of
   queries (cu_seqlens_q) over their pages of a paged cache (cu_seqlens_k), nothing appended.
   With kv_dtype "e4m3" the cache is FP8 with a descale per (sequence, KV head): its tiles stream
-  in at a byte an element and are widened (exactly) to the queries' type, in registers as a
-  decode block's warp reads them, or in shared memory by a 64-row block (widens_in_shared); the
-  scores take k_descale and the output v_descale, and appended keys are stored divided by their
+  in at a byte an element and are widened exactly, in registers as a decode block's warp reads
+  them (to fp16, the type its products then run in: bf16 queries are rounded to fp16 under a
+  power of two a row), or to the queries' type in shared memory by a 64-row block
+  (widens_in_shared); the scores take k_descale and the output v_descale, and appended keys are stored divided by their
   descale, rounded and saturated (and read the same way by the attention that appends them).
 - MergeStates (merge) and MergeStatesFp32 (merge_fp32): o = sum_s exp(lse_s - lse) o_s with
   lse = log sum_s exp(lse_s), per row, for two states of any float dtype (merge_attention_states).
@@ -156,9 +157,9 @@ class DecodeAttention(Family):
         return spec.num_warps // self.warps_m(spec)
 
     def widens_in_shared(self, spec: KernelSpec) -> bool:
-        """Where an FP8 cache's values become q's type. With one warp along the rows (decode: at most
-        16 packed rows) each value is read by one warp, which widens it in registers as it reads it
-        (half the bytes through shared memory, no extra barrier). With more, every warp would widen
+        """Where an FP8 cache's values are widened. With one warp along the rows (decode: at most
+        16 packed rows) each value is read by one warp, which widens it in registers (to fp16) as it
+        reads it (half the bytes through shared memory, no extra barrier). With more, every warp would widen
         every value of the tile: the block widens each tile once in shared memory instead."""
         return bool(spec.kv_dtype) and self.warps_m(spec) > 1
 
@@ -272,6 +273,7 @@ class DecodeAttention(Family):
             "paged": self.paged(spec),
             **cache_context(spec),
             "widen": ("shared" if self.widens_in_shared(spec) else "registers") if spec.kv_dtype else "",
+            "p_offset": bool(spec.kv_dtype) and not self.widens_in_shared(spec),  # (fp16 P: kept out of its subnormals)
             "warps_m": self.warps_m(spec),
             "warps_n": self.warps_n(spec),
             "max_splits": MAX_SPLITS,
