@@ -429,8 +429,10 @@ def decode_spec(head_dim: int, dtype: str, arch: str, paged: bool, rows: int, va
     kind = "decode_paged" if paged else "decode"
     check_head_dim(head_dim)
     error = None
-    # (an FP8 cache's tiles are the table's entries for its type: its stages are half the bytes)
-    for tiles in candidates(kind, head_dim, kv_dtype or dtype, False, arch, "*", variant=variants.tiled_apart(variant)):
+    # An FP8 cache's tiles are the table's entries for its type (its stages are half the bytes); the
+    # bucket says the block: "short" one 16-row block (a decode step), "long" 64-row blocks.
+    bucket = "short" if decode_block_m(rows) == DECODE_BLOCK_M[0] else "long"
+    for tiles in candidates(kind, head_dim, kv_dtype or dtype, False, arch, bucket, variant=variants.tiled_apart(variant)):
         try:
             return KernelSpec(head_dim=head_dim, dtype=dtype, arch=arch, kind=kind, **{**tiles, "block_m": decode_block_m(rows)},
                               **variant_fields(variant), rotary=rotary, varlen=varlen, kv_dtype=kv_dtype)
