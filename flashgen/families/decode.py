@@ -16,8 +16,9 @@ partial attention states by their log-sum-exp.
   in at a byte an element and are widened exactly, in registers as a decode block's warp reads
   them (to fp16, the type its products then run in: bf16 queries are rounded to fp16 under a
   power of two a row), or to the queries' type in shared memory by a 64-row block
-  (widens_in_shared); the scores take k_descale and the output v_descale, and appended keys are stored divided by their
-  descale, rounded and saturated (and read the same way by the attention that appends them).
+  (widens_in_shared); the scores take k_descale and the output v_descale, and appended keys are
+  stored divided by their descale, rounded and saturated (and read the same way by the attention
+  that appends them).
 - MergeStates (merge) and MergeStatesFp32 (merge_fp32): o = sum_s exp(lse_s - lse) o_s with
   lse = log sum_s exp(lse_s), per row, for two states of any float dtype (merge_attention_states).
 """
