@@ -6,7 +6,8 @@ causal64_bwd (d = 64, T = 8k), decode8k, decode64k (B = 1, 32:8 heads, d = 128; 
 FP8 cache, _paged for 16-token pages: decode64k_e4m3_paged), packed_prefill,
 paged16, paged256 (.ci/bench_paged_prefill.py's problem: 16 x 2048 queries over 8k keys, causal, d = 128,
 packed or in shuffled pages of 16 or 256 tokens), dv128_bwd, dv128_causal_bwd (d = 192, d_v = 128,
-T = 8k, .ci/bench_head_dim_v.py's shape) (needs a GPU)."""
+T = 8k, .ci/bench_head_dim_v.py's shape; a suffix _cudnn runs SDPA's CUDNN backend on it instead,
+dv128_causal_bwd_cudnn) (needs a GPU)."""
 
 import sys
 
@@ -38,7 +39,12 @@ def workload(name):
     if name.startswith("dv128"):
         q, k, v = bench._inputs(8192, 192)
         leaves = [t.clone().requires_grad_() for t in (q, k, v[..., :128].contiguous())]
-        out = flashgen.attention(*leaves, causal="causal" in name)
+        if name.endswith("_cudnn"):
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal="causal" in name)
+        else:
+            out = flashgen.attention(*leaves, causal="causal" in name)
         d_o = torch.randn_like(out)
         return lambda: torch.autograd.grad(out, leaves, d_o, retain_graph=True)
     if name.startswith("decode"):
