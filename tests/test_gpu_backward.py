@@ -7,7 +7,7 @@ import torch
 from conftest import check_by_the_numerics_rule, run_prebuilt
 
 import flashgen
-from flashgen import tuning
+from flashgen import reference, tuning
 from flashgen.reference import naive_attention
 
 pytestmark = pytest.mark.gpu
@@ -342,6 +342,47 @@ def test_split_hopper_backward_tile_variants(head_dim, block_m, num_stages, dete
         for causal in (False, True):
             q, k, v = make_qkv(2, 4, 2, 333, 1000, head_dim, torch.bfloat16, seed=head_dim + block_m)
             check_gradients(q, k, v, causal, deterministic=deterministic)
+
+
+TRIO_DIMS = [(192, 192), (192, 128), (160, 64)]  # (d, d_v): q's head dim in three 64-column chunks
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
+@pytest.mark.parametrize("dims", TRIO_DIMS, ids=[f"d{d}_v{dv}" for d, dv in TRIO_DIMS])
+def test_trio_hopper_backward(dims, deterministic):
+    """The three-consumer layout (block_n=96: each warpgroup takes 32 keys of S, dP and dV^T and 64
+    head-dim columns of dK^T and dQ), forced by a table entry: partial key and query tiles, GQA and
+    MQA, Tq < Tk and Tq > Tk (causal: queries that see no key), one key block, V narrower than q
+    (warpgroups with fewer dV^T chunks), then varlen with a window."""
+    hopper_only()
+    head_dim, head_dim_v = dims
+    kind = "bwd_sm90_kv" if deterministic else "bwd_sm90_kvq"
+    entry = {"kind": kind, "arch": "sm_90a", "head_dim": head_dim, "dtype": "*", "causal": "*", "bucket": "*",
+             "tiles": [{"block_m": 64, "block_n": 96, "num_stages": 2}]}
+    from flashgen import plans
+
+    with tuning.override([entry]):
+        spec = plans.backward(0, head_dim, torch.bfloat16, True, deterministic, "",
+                              head_dim_v=0 if head_dim_v == head_dim else head_dim_v).kernels[1].spec
+        assert (spec.kind, spec.block_n) == (kind, 96)
+        for batch, heads, kv_heads, seqlen_q, seqlen_k in [(1, 8, 2, 333, 1000), (2, 4, 1, 1000, 333), (1, 3, 3, 96, 96),
+                                                            (2, 2, 2, 1, 77)]:
+            q, k, v = make_qkv(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, torch.bfloat16, seed=seqlen_q + head_dim_v)
+            v = v[..., :head_dim_v].contiguous()
+            d_o = upstream_gradient(q)[..., :head_dim_v].contiguous()
+            for causal in (False, True):
+                check_gradients(q, k, v, causal, deterministic=deterministic, d_o=d_o)
+        lengths = (30, 700, 257)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        gen = torch.Generator(device="cuda").manual_seed(head_dim_v)
+        q, k = (torch.randn(int(cu[-1]), h, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen) for h in (8, 4))
+        v = torch.randn(int(cu[-1]), 4, head_dim_v, device="cuda", dtype=torch.bfloat16, generator=gen)
+        d_o = torch.randn(int(cu[-1]), 8, head_dim_v, device="cuda", dtype=torch.bfloat16, generator=gen)
+        call = dict(causal=True, window_size=(200, 0), deterministic=deterministic)
+        ours = grads(lambda q, k, v: flashgen.attention_varlen(q, k, v, cu, cu, 700, 700, **call), q, k, v, d_o)
+        exact, low = (grads(lambda q, k, v: reference.attention_varlen(q, k, v, cu, cu, 700, 700, upcast=up, **call), q, k, v, d_o)
+                      for up in (True, False))
+        check_by_the_numerics_rule(ours, exact, low, torch.bfloat16)
 
 
 def test_expanded_inputs_and_an_expanded_gradient():

@@ -8,7 +8,7 @@ into a row-major fp32 buffer with TMA reductions (cp.reduce.async.bulk.tensor, o
 of the buffer), so reading the sum back into dq is one contiguous copy. dK and dV leave through
 shared memory with TMA stores.
 
-Two ways to split the work between the consumer warpgroups, chosen by block_n:
+Three ways to split the work between the consumer warpgroups, chosen by block_n:
 
 - block_n=128 (head dims up to 128): each warpgroup owns 64 of the keys and runs the score, dV and
   dK products for them, holding dV and dK (head_dim_pad / 2 fp32 each per thread) and S^T, dP^T.
@@ -43,6 +43,23 @@ Two ways to split the work between the consumer warpgroups, chosen by block_n:
   one dO stage), P^T (64 x BLOCK_M fp32), and for dQ the dS^T tile and the two 16 KB pieces. At
   d = 256, BLOCK_M = 64, num_stages = 2: 64 + 64 + 32 + 16 + 8 + 32 KB = 216 KB, 218 KB with the
   statistics, barriers and alignment; at d = 192: 48 + 48 + 48 + 16 + 8 + 32 = 200 KB (two dO stages).
+- block_n=96 (head dims of three chunks, 129 to 192, with d_v up to 192: the `trio` layout;
+  what the tables pick at d = 192): three consumer warpgroups share the block's 96 keys and split
+  the head-dim columns, as FlashAttention-3 does at d = 192. Warpgroup w computes S and dP (rows
+  are queries, not keys) for its 32 keys, P and dS from them, and writes both rounded into shared
+  [96 keys][64 queries] tiles with transposing matrix stores. It runs dV^T += dO^T P for its own 32
+  keys (every column of d_v: no warpgroup idles where d_v has fewer chunks than q) as soon as its P
+  is written, and once all three have written dS (a named barrier), dK^T += Q^T dS for its 64
+  head-dim columns over all 96 keys and dQ = dS K for the same 64 columns: one 64 x 64 piece a
+  step, summed over 96 keys before its TMA reduction. Why: at 64 keys a block the dQ
+  reductions and the Q/dO loads move 88 KB through L2 per 64 x 64 step at d = 192 / d_v = 128, about
+  3.8 TB/s at the split layout's 295 TFLOPS (causal 8k, H100), and would need about 6 TB/s at
+  cuDNN's 480; 96 keys cut that per flop by a third. Each thread holds 64 x 96 of dK^T (48 fp32),
+  d_v x 32 of dV^T (32 at d_v = 128), its 64 x 32 S and dP tiles (16 each) and, transiently, its
+  dQ piece (32): within the 160 registers setmaxnreg gives each of three consumers beside a
+  24-register producer. Shared memory at d = 192 / d_v = 128: K 36 KB, V 24, two Q and two dO
+  stages 80, P and dS 24, three dQ pieces 48: 214 KB. No score piece or mask rule yet (the split
+  layout takes those).
 
 V's head dim of its own (head_dim_v, spec.d_v; DeepSeek's 192 / 128): q, k, dq, dk have head_dim,
 v, dO, dv have d_v. V and dO tiles are d_v_pad / 64 chunks (dV is staged in V's), dP^T = V dO^T
@@ -79,6 +96,7 @@ from .hopper import HOPPER_NEEDS, tensor_map_helper
 # the row-major fp32 sum by two TMA reductions.
 PIECE = 64
 DQ_BOX_COLUMNS = 32
+TRIO_KEYS = 96  # block_n of the three-consumer layout (`trio`)
 MAX_DQ_PIECES = 2  # block_n=128: a step's dQ tile, one piece per consumer warpgroup (or one piece, shared by keys)
 # What a score with a derivative (softcap, a score rule) or a mask rule takes beside the
 # accumulators in the block_n=128 layout: past 192 accumulators its kernels spilled (CPU compile
@@ -117,7 +135,7 @@ class HopperBackward(Family):
               "score_mod", "mask_mod")
     arguments = ("q", "k", "v", "d_o", "lse_log2", "delta", "dk", "dv", "dq_accum", "scale", "cu_seqlens_q", "cu_seqlens_k",
                  "max_seqlen_k", *variants.ARGUMENTS)
-    tune_space = {"block_m": (64, 128), "block_n": (64, 128), "num_stages": (2, 3)}
+    tune_space = {"block_m": (64, 128), "block_n": (64, 96, 128), "num_stages": (2, 3)}
 
     @staticmethod
     def head_dim_pad(spec: KernelSpec) -> int:
@@ -139,15 +157,23 @@ class HopperBackward(Family):
         return spec.block_n == 64
 
     @staticmethod
-    def consumers(spec: KernelSpec) -> int:
-        return 2
+    def trio(spec: KernelSpec) -> bool:
+        """block_n=96: three consumer warpgroups share the block's keys, each taking 64 head-dim columns."""
+        return spec.block_n == TRIO_KEYS
+
+    @classmethod
+    def consumers(cls, spec: KernelSpec) -> int:
+        return 3 if cls.trio(spec) else 2
 
     def check(self, spec: KernelSpec) -> None:
-        if spec.block_n not in (64, 128):
+        if spec.block_n not in (64, TRIO_KEYS, 128):
             raise SpecError(
-                f"block_n={spec.block_n}: must be 128 (two consumer warpgroups of 64 keys) or 64 (two consumer "
-                f"warpgroups sharing 64 keys, one computing dV and the other dK)"
+                f"block_n={spec.block_n}: must be 128 (two consumer warpgroups of 64 keys), 64 (two consumer "
+                f"warpgroups sharing 64 keys, one computing dV and the other dK) or 96 (three consumer warpgroups "
+                f"sharing 96 keys, each computing 64 head-dim columns; head dims 129 to 192)"
             )
+        if self.trio(spec):
+            self._check_trio(spec)
         if spec.block_m not in (64, 128) or STATS_PAD % spec.block_m:
             raise SpecError(f"block_m={spec.block_m}: must be 64 or 128 (query rows per step, whole dQ pieces)")
         if spec.num_stages not in (2, 3):
@@ -156,7 +182,9 @@ class HopperBackward(Family):
         check_rules_fixed_length(spec)
         pad, v_pad = self.head_dim_pad(spec), self.d_v_pad(spec)  # Q, K, dK, dQ; V, dO, dV
         dims = f"head_dim={spec.head_dim}" + (f", head_dim_v={spec.head_dim_v}" if spec.head_dim_v else "")
-        if self.split(spec):
+        if self.trio(spec):
+            pass  # (_check_trio)
+        elif self.split(spec):
             # fp32 registers a consumer thread holds at once: its gradient (dV, v_pad / 2, or dK, pad / 2)
             # and its score tile (S^T or dP^T, block_m / 2). Both warpgroups get 240 registers: the
             # wider gradient bounds them.
@@ -176,19 +204,19 @@ class HopperBackward(Family):
         # tests: 8-32 bytes spilled at d = 96 and 128 (CPU compile sweep)
         masked_cap = capped_first(spec) and (any(d.mask and not d.rule for d in variants.on(spec)) or spec.varlen)
         score_tile = (_pointwise_grad(spec) and not capped_first(spec)) or spec.score_mod or masked_cap
-        if (score_tile or wide_scores) and not self.split(spec) and held + SCORE_REGISTERS > 192:
+        if (score_tile or wide_scores) and not self.split(spec) and not self.trio(spec) and held + SCORE_REGISTERS > 192:
             raise SpecError(
                 f"block_m={spec.block_m}, {dims}: with a score_mod, softcap beside ALiBi, a window or varlen, or "
                 f"(at block_m=128) softcap a block_n=128 "
                 f"consumer thread needs {SCORE_REGISTERS} registers more than its {held} fp32 accumulators ({holds}), past "
                 f"the 192 that fit; use block_m=64 (at head_dim <= 64) or block_n=64 (the split layout)"
             )
-        if held > 192:
+        if not self.trio(spec) and held > 192:
             raise SpecError(
                 f"block_m={spec.block_m}, {dims}: a consumer thread would hold {held} fp32 "
                 f"accumulators ({holds}); at most 192 fit in its 240 registers (use block_m=64)"
             )
-        if self.has_dq(spec) and not self.split(spec) and spec.block_m * pad > MAX_DQ_PIECES * PIECE * PIECE:
+        if self.has_dq(spec) and not self.split(spec) and not self.trio(spec) and spec.block_m * pad > MAX_DQ_PIECES * PIECE * PIECE:
             raise SpecError(
                 f"block_m={spec.block_m}, head_dim={spec.head_dim}: the dQ tile of a step ({spec.block_m} x {pad}) "
                 f"must be at most {MAX_DQ_PIECES} pieces of {PIECE} x {PIECE}, one per consumer warpgroup (use block_m=64)"
@@ -201,13 +229,25 @@ class HopperBackward(Family):
                 f"{limit} a block may use on {spec.arch}"
             )
 
+    def _check_trio(self, spec: KernelSpec) -> None:
+        pad, v_pad = self.head_dim_pad(spec), self.d_v_pad(spec)
+        dims = f"head_dim={spec.head_dim}" + (f", head_dim_v={spec.head_dim_v}" if spec.head_dim_v else "")
+        if pad != 3 * PIECE or v_pad > 3 * PIECE:
+            raise SpecError(f"block_n=96, {dims}: the three consumer warpgroups take one 64-column chunk of q's head "
+                            f"dim each, so it must be 129 to 192 (and head_dim_v at most 192); use block_n=64")
+        if spec.block_m != 64:
+            raise SpecError(f"block_m={spec.block_m}: block_n=96 runs 64 query rows a step (use block_m=64)")
+        if spec.score_mod or spec.mask_mod or any(d.score for d in variants.on(spec)):
+            raise SpecError("block_n=96 takes no score piece (softcap, ALiBi, a score rule) and no mask rule yet; "
+                            "use block_n=64, whose layout runs them")
+
     def threads(self, spec: KernelSpec) -> int:
         return 128 * (self.consumers(spec) + 1)
 
     def do_stages(self, spec: KernelSpec) -> int:
-        """dO tiles in flight: num_stages, or with block_n=64 as many as fit next to num_stages Q
+        """dO tiles in flight: num_stages, or with block_n=64 or 96 as many as fit next to num_stages Q
         tiles (one at head_dim 256: two would need 250 KB)."""
-        if not self.split(spec):
+        if not (self.split(spec) or self.trio(spec)):
             return spec.num_stages
         limit = SMEM_LIMIT[spec.arch]
         return next((n for n in range(spec.num_stages, 1, -1) if self._layout(spec, n).size <= limit), 1)
@@ -227,6 +267,15 @@ class HopperBackward(Family):
             Region("q", spec.num_stages * q_tile, align=1024), Region("do", do_stages * do_tile, align=1024),
             Region("lse", spec.num_stages * stats), Region("delta", do_stages * stats),
         ]
+        if self.trio(spec):
+            regions += [
+                Region("p", spec.block_n * spec.block_m * 2, align=1024),  # P, rounded: [96 keys][64 queries]
+                Region("ds", spec.block_n * spec.block_m * 2, align=1024),  # dS, the same
+            ]
+            if self.has_dq(spec):
+                regions.append(Region("dq", self.consumers(spec) * PIECE * PIECE * 4, align=1024))  # one fp32 dQ piece each
+            regions.append(Region("bar", 8 * (1 + 2 * spec.num_stages + 2 * do_stages), align=8))
+            return SmemLayout(regions)
         if self.split(spec):
             regions.append(Region("p", 64 * spec.block_m * 4))  # P^T in fp32, from one warpgroup to the other
             if self.has_dq(spec):
@@ -253,8 +302,8 @@ class HopperBackward(Family):
             tensormap("k_map", f"tensor_map(k, {spec.block_n})"),
             tensormap("v_map", f"tensor_map(v, {spec.block_n})"),
             tensormap("do_map", f"tensor_map(d_o, {spec.block_m})"),
-            tensormap("dk_map", "tensor_map(dk, 64)"),
-            tensormap("dv_map", "tensor_map(dv, 64)"),
+            tensormap("dk_map", f"tensor_map(dk, {self.out_rows(spec)})"),
+            tensormap("dv_map", f"tensor_map(dv, {self.out_rows(spec)})"),
         ]
         if self.has_dq(spec):  # the fp32 dQ sum (dq_accum_shape(); zeroed by the prep), added into through TMA reductions
             maps.append(tensormap("dq_map", f"tensor_map(dq_accum, {PIECE}, {DQ_BOX_COLUMNS})"))
@@ -286,6 +335,11 @@ class HopperBackward(Family):
             *common,
         ])
 
+    def out_rows(self, spec: KernelSpec) -> int:
+        """Key rows of a dK or dV box: a warpgroup's 64 keys, or with block_n=96 the block's 96 (each
+        warpgroup stores its 64 columns of them)."""
+        return spec.block_n if self.trio(spec) else 64
+
     def helpers(self, spec: KernelSpec) -> dict:
         return {**super().helpers(spec), **tensor_map_helper()}
 
@@ -297,7 +351,7 @@ class HopperBackward(Family):
     def context(self, spec: KernelSpec) -> dict:
         return {**super().context(spec), "wgmma": True, "has_dq": self.has_dq(spec), "stats_pad": STATS_PAD,
                 "head_dim_pad": self.head_dim_pad(spec), "d_v_pad": self.d_v_pad(spec),
-                "split": self.split(spec), "do_stages": self.do_stages(spec),
+                "split": self.split(spec), "trio": self.trio(spec), "do_stages": self.do_stages(spec),
                 "capped_first": capped_first(spec),
                 # finish_before_wait after P^T: with a mask rule's per-element test ahead of the dP^T
                 # wait too, bwd_sm90_kv spilled at d = 96 and 128 (CPU compile sweep; head_dim 64 or 32
@@ -345,6 +399,18 @@ class HopperDqReader(Family):
         if not spec.varlen:
             raise SpecError("varlen=False: a bwd_dq_sm90 kernel reads back the varlen layout only "
                             "(fixed-length sums are read back on the host, HopperBackward.dq_from_accum)")
+
+    def _check_trio(self, spec: KernelSpec) -> None:
+        pad, v_pad = self.head_dim_pad(spec), self.d_v_pad(spec)
+        dims = f"head_dim={spec.head_dim}" + (f", head_dim_v={spec.head_dim_v}" if spec.head_dim_v else "")
+        if pad != 3 * PIECE or v_pad > 3 * PIECE:
+            raise SpecError(f"block_n=96, {dims}: the three consumer warpgroups take one 64-column chunk of q's head "
+                            f"dim each, so it must be 129 to 192 (and head_dim_v at most 192); use block_n=64")
+        if spec.block_m != 64:
+            raise SpecError(f"block_m={spec.block_m}: block_n=96 runs 64 query rows a step (use block_m=64)")
+        if spec.score_mod or spec.mask_mod or any(d.score for d in variants.on(spec)):
+            raise SpecError("block_n=96 takes no score piece (softcap, ALiBi, a score rule) and no mask rule yet; "
+                            "use block_n=64, whose layout runs them")
 
     def threads(self, spec: KernelSpec) -> int:
         return 256
