@@ -3,6 +3,7 @@ emits, and the dQ accumulator's layout (the kernel's staging and TMA boxes, read
 layouts: block_n=128 (each consumer warpgroup owns 64 keys, head dims up to 128) and the split
 block_n=64 (the warpgroups share 64 keys, one computing dV and the other dK; up to 256)."""
 
+import collections
 import re
 
 import pytest
@@ -89,6 +90,51 @@ def test_split_layout_renders_only_in_split_specs():
     assert all(word in render(kvq) for word in ("BAR_P_FULL", "BAR_DS_FULL", "DO_STAGES = 1", "dv_side"))
     assert "BAR_P_FULL" in render(kv) and "BAR_DS_FULL" not in render(kv) and "tma_reduce_add_4d(&dq_map" not in render(kv)
     assert not any(word in render(plain) for word in ("BAR_P_", "DO_STAGES", "dv_side", "SMEM_P "))
+
+
+# The three-consumer layout (block_n=96), not yet in the tables: both kinds, V as wide as q, narrower
+# by a chunk and by two, causal, varlen with a window, fp16.
+TRIO_SPECS = [KernelSpec(kind=kind, head_dim=head_dim, head_dim_v=head_dim_v, block_m=64, block_n=96, num_stages=2, **fields)
+              for kind, head_dim, head_dim_v, fields in (
+                  ("bwd_sm90_kvq", 192, 128, {"causal": True}), ("bwd_sm90_kvq", 192, 0, {}),
+                  ("bwd_sm90_kv", 192, 128, {"causal": True}), ("bwd_sm90_kvq", 160, 64, {"dtype": "fp16"}),
+                  ("bwd_sm90_kvq", 192, 128, {"causal": True, "varlen": True, "variants": ("window",)}))]
+
+
+@pytest.mark.parametrize("spec", TRIO_SPECS, ids=lambda spec: spec.name)
+def test_trio_layout_compiles_without_spills_or_serialization(spec):
+    """Three consumers of 160 registers beside the producer's 24 (the register file), no spill, no
+    serialized wgmma; every product counted at its width: S and dP at N = 32 (k-steps over q's and
+    v's head dims), dV^T at N = 32 (four 16-query steps per d_v chunk), dK^T at N = 96 (four), dQ at
+    N = 64 (six 16-key steps); P, dS, dK^T and dV^T leave through transposing matrix stores."""
+    source = render(spec)
+    assert "setmaxnreg_inc<160>();" in source and "setmaxnreg_dec<24>();" in source
+    assert "constexpr int NUM_CONSUMERS = 3;" in source and spec.family.threads(spec) == 512
+    binary = compile_source(spec, source)
+    assert binary.resources.spills == 0 and binary.resources.stack_frame == 0, binary.log
+    assert "serialized" not in binary.log and "setmaxnreg" not in binary.log, binary.log
+    ptx = compile_ptx(spec, source).decode()
+    pad, v_pad = spec.family.head_dim_pad(spec), spec.family.d_v_pad(spec)
+    widths = collections.Counter(int(n) for n in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.", ptx))
+    expected = {32: pad // 16 + v_pad // 16 + 4 * (v_pad // 64), 96: 4}
+    if spec.kind == "bwd_sm90_kvq":
+        expected[64] = 6
+    assert widths == collections.Counter(expected)
+    assert "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx and "ld.local" not in ptx
+    assert spec.family.smem(spec).size <= SMEM_LIMIT["sm_90a"]
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(head_dim=128), "must be 129 to 192"),
+    (dict(head_dim=256), "must be 129 to 192"),
+    (dict(head_dim=192, head_dim_v=256), "head_dim_v at most 192"),
+    (dict(head_dim=192, block_m=128), "block_n=96 runs 64 query rows"),
+    (dict(head_dim=192, variants=("softcap",)), "no score piece"),
+    (dict(head_dim=192, mask_mod=MaskMod("q_idx >= kv_idx", lambda b, h, q_idx, kv_idx: q_idx >= kv_idx).source), "no mask rule"),
+])
+def test_trio_layout_refuses_what_it_does_not_run(fields, message):
+    with pytest.raises(SpecError, match=message):
+        KernelSpec(**{"block_m": 64, "block_n": 96, "kind": "bwd_sm90_kvq", **fields})
 
 
 SCORE_RULE = ScoreMod("score * 0.5f", lambda score, b, h, q_idx, kv_idx: score * 0.5, grad="0.5f")
