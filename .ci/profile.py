@@ -7,7 +7,8 @@ FP8 cache, _paged for 16-token pages: decode64k_e4m3_paged), packed_prefill,
 paged16, paged256 (.ci/bench_paged_prefill.py's problem: 16 x 2048 queries over 8k keys, causal, d = 128,
 packed or in shuffled pages of 16 or 256 tokens), dv128_bwd, dv128_causal_bwd (d = 192, d_v = 128,
 T = 8k, .ci/bench_head_dim_v.py's shape; a suffix _cudnn runs SDPA's CUDNN backend on it instead,
-dv128_causal_bwd_cudnn) (needs a GPU)."""
+dv128_causal_bwd_cudnn; _trio runs the three-consumer backward layout), fp8_fwd, fp8_fwd256 (e4m3,
+d = 128 or 256, T = 8k) (needs a GPU)."""
 
 import sys
 
@@ -36,7 +37,16 @@ def prefill(page):
 def workload(name):
     if name == "packed_prefill" or name.startswith("paged"):
         return prefill(int(name[5:]) if name.startswith("paged") else 0)
+    if name.startswith("fp8_fwd"):  # d = 128 (fp8_fwd) or 256 (fp8_fwd256), T = 8k, e4m3 with descales of 1
+        q, k, v = (t.to(torch.float8_e4m3fn) for t in bench._inputs(8192, 256 if name.endswith("256") else 128))
+        one = torch.ones(q.shape[0], k.shape[1], device="cuda")
+        return lambda: flashgen.attention(q, k, v, q_descale=one, k_descale=one, v_descale=one)
     if name.startswith("dv128"):
+        if name.endswith("_trio"):  # the three-consumer backward layout, ahead of the table
+            from flashgen import tuning
+            tuning._overrides[:0] = [{"kind": kind, "arch": "sm_90a", "head_dim": 192, "dtype": "*", "causal": "*", "bucket": "*",
+                                      "tiles": [{"block_m": 64, "block_n": 96, "num_stages": 2}]}
+                                     for kind in ("bwd_sm90_kvq", "bwd_sm90_kv")]
         q, k, v = bench._inputs(8192, 192)
         leaves = [t.clone().requires_grad_() for t in (q, k, v[..., :128].contiguous())]
         if name.endswith("_cudnn"):
