@@ -400,18 +400,6 @@ class HopperDqReader(Family):
             raise SpecError("varlen=False: a bwd_dq_sm90 kernel reads back the varlen layout only "
                             "(fixed-length sums are read back on the host, HopperBackward.dq_from_accum)")
 
-    def _check_trio(self, spec: KernelSpec) -> None:
-        pad, v_pad = self.head_dim_pad(spec), self.d_v_pad(spec)
-        dims = f"head_dim={spec.head_dim}" + (f", head_dim_v={spec.head_dim_v}" if spec.head_dim_v else "")
-        if pad != 3 * PIECE or v_pad > 3 * PIECE:
-            raise SpecError(f"block_n=96, {dims}: the three consumer warpgroups take one 64-column chunk of q's head "
-                            f"dim each, so it must be 129 to 192 (and head_dim_v at most 192); use block_n=64")
-        if spec.block_m != 64:
-            raise SpecError(f"block_m={spec.block_m}: block_n=96 runs 64 query rows a step (use block_m=64)")
-        if spec.score_mod or spec.mask_mod or any(d.score for d in variants.on(spec)):
-            raise SpecError("block_n=96 takes no score piece (softcap, ALiBi, a score rule) and no mask rule yet; "
-                            "use block_n=64, whose layout runs them")
-
     def threads(self, spec: KernelSpec) -> int:
         return 256
 
