@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from . import modifiers, plans, variants
+from . import kernels, modifiers, plans, tuning, variants
 from .blockmask import BlockMasks
 from .families.decode import fast_divisor
 from .inputs import aligned
@@ -121,51 +121,20 @@ def forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, causal:
 
 # Within each 16 keys, the key that position k of FP8's transposed V holds: the order in which a
 # thread's e4m3 registers of P hold them (templates/fwd_sm90_consumer.cuh.j2, convert_p: position
-# 4 t + b is key 2 t + b % 2 + 8 (b / 2)), so P needs no exchange between lanes.
+# 4 t + b is key 2 t + b % 2 + 8 (b / 2)), so P needs no exchange between lanes. The fp8_v kernel
+# (templates/fp8_values.cu.j2) lays V out so.
 FP8_KEY_ORDER = tuple(2 * (k // 4) + (k % 4) % 2 + 8 * ((k % 4) // 2) for k in range(16))
-_key_orders: dict = {}
 
 
-def _key_order(device, inverse: bool = False) -> torch.Tensor:
-    """FP8_KEY_ORDER (or its inverse: where each key goes) on `device`, made once: a host-to-device
-    copy on every call would wait for the copy and could not be captured in a CUDA graph."""
-    key = (device, inverse)
-    order = _key_orders.get(key)
-    if order is None:
-        order = torch.tensor(FP8_KEY_ORDER, device=device)
-        order = _key_orders[key] = order.argsort() if inverse else order
-    return order
-
-
-def fp8_values(v: torch.Tensor) -> torch.Tensor:
-    """V of an FP8 forward as its kernel reads it: (B, H_kv, d_v, keys), keys contiguous (wgmma
-    takes 8-bit operands K-major only), padded with zeros to whole 16s and each 16 in
-    FP8_KEY_ORDER. One pass over V, in PyTorch (its bytes as uint8: the index ops take those)."""
-    batch, kv_heads, keys, head_dim_v = v.shape
-    bytes_ = v.view(torch.uint8).transpose(2, 3)
-    if keys % 16:
-        bytes_ = torch.nn.functional.pad(bytes_, (0, 16 - keys % 16))
-    grouped = bytes_.reshape(batch, kv_heads, head_dim_v, -1, 16).index_select(4, _key_order(v.device))
-    return grouped.reshape(batch, kv_heads, head_dim_v, -1).view(v.dtype)
-
-
-def fp8_values_varlen(v: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Tensor:
-    """Packed V (total_k, H_kv, d_v) of an FP8 forward as its kernel reads it: (1, H_kv, d_v, keys),
-    sequence b's keys from position 16 (ceil(cu_seqlens_k[b] / 16) + b), a multiple of 16 (so each
-    16 of a sequence's keys are one group of FP8_KEY_ORDER), zeros between. On the device, without
-    reading cu_seqlens_k on the host (no sync)."""
-    total, kv_heads, head_dim_v = v.shape
-    batch = cu_seqlens_k.shape[0] - 1
-    width = 16 * (-(-total // 16) + batch + 1)  # past every sequence's start and keys
-    out = torch.zeros(kv_heads, head_dim_v, width, dtype=torch.uint8, device=v.device)
-    if total:
-        cu = cu_seqlens_k.long()
-        token = torch.arange(total, device=v.device)
-        sequence = (torch.searchsorted(cu[1:], token, right=True)).clamp_max(max(batch - 1, 0))
-        at = 16 * ((cu[sequence] + 15) // 16 + sequence) + token - cu[sequence]  # each key's position, in order
-        at = at - at % 16 + _key_order(v.device, inverse=True)[at % 16]  # key k of a group goes to position inverse[k]
-        out.index_copy_(2, at, v.view(torch.uint8).permute(1, 2, 0))
-    return out[None].view(v.dtype)
+def fp8_values(v: torch.Tensor, cu_seqlens_k: torch.Tensor | None = None) -> torch.Tensor:
+    """V (e4m3: (B, H_kv, keys, d_v), or packed (total_k, H_kv, d_v) with cu_seqlens_k) laid out as
+    the FP8 forward's kernel reads it, by the fp8_v kernel alone (the forward's plan runs it as its
+    first step; flashgen.reference.fp8_values and fp8_values_varlen say the layout in PyTorch)."""
+    values = {"v_keys": aligned(v), "cu_seqlens_k": None if cu_seqlens_k is None else cu_seqlens_k.contiguous()}
+    values["v"] = torch.empty(plans.fp8_values_shape(values), dtype=v.dtype, device=v.device)
+    device = v.get_device()
+    kernels.get(tuning.fp8_values_spec(v.shape[-1], plans.device_arch(device), cu_seqlens_k is not None)).launch(device, values)
+    return values["v"]
 
 
 def fp8_forward(q, k, v, q_descale, k_descale, v_descale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, causal: bool,
@@ -211,7 +180,7 @@ def _fp8_forward_impl(q, k, v, q_descale, k_descale, v_descale, cu_seqlens_q, cu
         return o, lse
     if k.shape[0 if packed else 2] == 0:  # no keys: every row sees nothing
         return o.zero_(), None if lse is None else variants.no_key_lse(lse, packed, variant)
-    values = {"q": aligned(q), "k": aligned(k), "v": fp8_values_varlen(v, cu_seqlens_k) if packed else fp8_values(v), "o": o,
+    values = {"q": aligned(q), "k": aligned(k), "v_keys": aligned(v), "o": o,  # (the plan lays V out for its kernel: `v`)
               "lse": lse, "scale": scale, **{name: None if t is None else t.contiguous() for name, t in
                                              (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))}}
     if packed:

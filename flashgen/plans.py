@@ -166,16 +166,32 @@ def forward(device: int, head_dim: int, dtype: torch.dtype, causal: bool, seqlen
     return plan
 
 
+def fp8_values_shape(values: dict) -> tuple:
+    """The FP8 forward's V as its kernel reads it, from the call's `v_keys` (flashgen.reference.
+    fp8_values says the layout): (B, H_kv, d_v, keys in whole 16s), or packed (1, H_kv, d_v, 16
+    (ceil(total_k / 16) + sequences + 1)), room for every sequence to start on a whole 16."""
+    v = values["v_keys"]
+    if values.get("cu_seqlens_k") is not None:
+        total, kv_heads, head_dim_v = v.shape
+        return 1, kv_heads, head_dim_v, 16 * (-(-total // 16) + values["cu_seqlens_k"].shape[0])
+    batch, kv_heads, keys, head_dim_v = v.shape
+    return batch, kv_heads, head_dim_v, -(-keys // 16) * 16
+
+
 def forward_fp8(device: int, head_dim: int, out_dtype: torch.dtype, causal: bool, variant: tuple[str, ...] = (),
                 head_dim_v: int = 0, spec: str = "", varlen: bool = False) -> Plan:
-    """The FP8 forward's plan (e4m3 q, k, v; the output in out_dtype; varlen: packed sequences): the
-    kernel `spec` names (its canonical text), or the tables' choice."""
+    """The FP8 forward's plan (e4m3 q, k, v_keys; the output in out_dtype; varlen: packed sequences):
+    V laid out for the P V product (fp8_v, into the scratch `v`), then the kernel `spec` names (its
+    canonical text), or the tables' choice."""
     key = ("fwd_fp8", device, head_dim, head_dim_v, out_dtype, causal, variant, spec, varlen)
     plan = _plans.get(key)
     if plan is None:
+        arch = device_arch(device)
         chosen = KernelSpec.from_json(spec) if spec else tuning.fp8_forward_spec(
-            head_dim, DTYPES[out_dtype], causal, device_arch(device), variant, head_dim_v, varlen)
-        plan = _plans[key] = Plan((Launch(kernels.get(chosen)),))
+            head_dim, DTYPES[out_dtype], causal, arch, variant, head_dim_v, varlen)
+        values = tuning.fp8_values_spec(head_dim_v or head_dim, chosen.arch, varlen)
+        plan = _plans[key] = Plan((Launch(kernels.get(values)), Launch(kernels.get(chosen))),
+                                  (Scratch("v", fp8_values_shape, torch.float8_e4m3fn),), whole=varlen)
     return plan
 
 

@@ -584,6 +584,44 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b):
     return (share(o_a, lse_a) + share(o_b, lse_b)).to(o_a.dtype), lse
 
 
+def fp8_values(v: torch.Tensor) -> torch.Tensor:
+    """V of an FP8 forward as its kernel reads it (what the fp8_v kernel writes): (B, H_kv, d_v,
+    keys), keys contiguous (wgmma takes 8-bit operands K-major only), padded with zeros to whole 16s
+    and each 16 in flashgen.ops.FP8_KEY_ORDER. In PyTorch, on any device (its bytes as uint8: the
+    index ops take those)."""
+    from .ops import FP8_KEY_ORDER
+
+    batch, kv_heads, keys, head_dim_v = v.shape
+    bytes_ = v.view(torch.uint8).transpose(2, 3)
+    if keys % 16:
+        bytes_ = torch.nn.functional.pad(bytes_, (0, 16 - keys % 16))
+    order = torch.tensor(FP8_KEY_ORDER, device=v.device)
+    grouped = bytes_.reshape(batch, kv_heads, head_dim_v, -1, 16).index_select(4, order)
+    return grouped.reshape(batch, kv_heads, head_dim_v, -1).contiguous().view(v.dtype)
+
+
+def fp8_values_varlen(v: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Tensor:
+    """Packed V (total_k, H_kv, d_v) of an FP8 forward as its kernel reads it (what the fp8_v kernel
+    writes): (1, H_kv, d_v, 16 (ceil(total_k / 16) + sequences + 1)), sequence b's keys from position
+    16 (ceil(cu_seqlens_k[b] / 16) + b), a multiple of 16 (so each 16 of a sequence's keys are one
+    group of FP8_KEY_ORDER), zeros between. In PyTorch, on any device."""
+    from .ops import FP8_KEY_ORDER
+
+    total, kv_heads, head_dim_v = v.shape
+    batch = cu_seqlens_k.shape[0] - 1
+    width = 16 * (-(-total // 16) + batch + 1)  # past every sequence's start and keys
+    out = torch.zeros(kv_heads, head_dim_v, width, dtype=torch.uint8, device=v.device)
+    if total:
+        cu = cu_seqlens_k.long()
+        token = torch.arange(total, device=v.device)
+        sequence = (torch.searchsorted(cu[1:], token, right=True)).clamp_max(max(batch - 1, 0))
+        at = 16 * ((cu[sequence] + 15) // 16 + sequence) + token - cu[sequence]  # each key's position, in order
+        inverse = torch.tensor(FP8_KEY_ORDER, device=v.device).argsort()
+        at = at - at % 16 + inverse[at % 16]  # key k of a group goes to position inverse[k]
+        out.index_copy_(2, at, v.view(torch.uint8).permute(1, 2, 0))
+    return out[None].view(v.dtype)
+
+
 def quantize(x, descale):
     """x stored in an FP8 cache with its descale (fp32, one per KV head: x (..., heads_kv, d) and
     descale (heads_kv,)): x / descale in fp32 (IEEE division), saturated at +-448 and rounded to

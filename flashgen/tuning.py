@@ -286,6 +286,11 @@ def forward_spec(head_dim: int, dtype: str, causal: bool, arch: str, seqlen_q: i
 FP8_TILES = {"block_m": 128, "block_n": 128, "num_stages": 2}  # where the table has no e4m3 entry
 
 
+def fp8_values_spec(head_dim_v: int, arch: str, varlen: bool = False) -> KernelSpec:
+    """The kernel that lays V out as the FP8 forward reads it (fp8_v: no tiles to tune)."""
+    return KernelSpec(kind="fp8_v", head_dim=head_dim_v, arch=arch, varlen=varlen)
+
+
 def fp8_forward_spec(head_dim: int, out_dtype: str, causal: bool, arch: str, variant: tuple[str, ...] = (),
                      head_dim_v: int = 0, varlen: bool = False) -> KernelSpec:
     """The FP8 forward (e4m3 q, k, v; the output in out_dtype; varlen: packed sequences) on the

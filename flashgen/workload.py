@@ -98,8 +98,9 @@ def _attention(workload: Workload, head_dim, dtype, causal, arch, variant, varle
     """The forward for short and long queries (plans.forward) and, with backward, its backward;
     FP8 inputs (e4m3): the FP8 forward for each output type (it has no backward)."""
     head_dim_v = workload.head_dim_v if workload.head_dim_v != head_dim else 0
-    if dtype == "e4m3":
-        return [tuning.fp8_forward_spec(head_dim, out, causal, arch, variant, head_dim_v, varlen) for out in OUTPUT_TYPES]
+    if dtype == "e4m3":  # (V laid out for its P V product first)
+        return [tuning.fp8_values_spec(head_dim_v or head_dim, arch, varlen),
+                *(tuning.fp8_forward_spec(head_dim, out, causal, arch, variant, head_dim_v, varlen) for out in OUTPUT_TYPES)]
     specs = [tuning.forward_spec(head_dim, dtype, causal, arch, seqlen_q, varlen, variant, head_dim_v)
              for seqlen_q in (tuning.SHORT_QUERY, tuning.SHORT_QUERY + 1)]
     return specs + (_backward(head_dim, dtype, causal, arch, variant, varlen, head_dim_v) if workload.backward else [])

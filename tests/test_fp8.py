@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flashgen
-from flashgen import ops, tuning
+from flashgen import ops, reference, tuning
 from flashgen.compile import compile_ptx, compile_source
 from flashgen.render import render
 from flashgen.spec import KernelSpec, SpecError
@@ -82,7 +82,7 @@ def test_packed_transposed_v_starts_each_sequence_on_a_group_of_16():
     lengths = [5, 0, 37, 16, 3]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     v = torch.randn(sum(lengths), 2, 24).to(torch.float8_e4m3fn)
-    vt = ops.fp8_values_varlen(v, cu).float()[0]
+    vt = reference.fp8_values_varlen(v, cu).float()[0]
     assert vt.shape[-1] % 16 == 0 and vt.shape[-1] >= 16 * (-(-sum(lengths) // 16) + len(lengths))
     expected = torch.zeros_like(vt)
     for b, length in enumerate(lengths):
@@ -97,7 +97,7 @@ def test_transposed_v_holds_each_16_keys_in_the_order_p_registers_hold_them():
     """Position 4 t + b of 16 keys holds key 2 t + b % 2 + 8 (b / 2); past the keys, zeros."""
     assert ops.FP8_KEY_ORDER == (0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15)
     v = torch.randn(2, 3, 37, 24).to(torch.float8_e4m3fn)
-    vt = ops.fp8_values(v)
+    vt = reference.fp8_values(v)
     assert vt.shape == (2, 3, 24, 48) and vt.dtype == torch.float8_e4m3fn and vt.is_contiguous()
     padded = torch.cat([v.float(), torch.zeros(2, 3, 11, 24)], dim=2)
     for position in range(48):
@@ -187,7 +187,8 @@ def test_bench_dtype_fp8_is_a_benchmark_of_its_own(monkeypatch):
 
 def test_build_makes_the_fp8_forward_for_each_output_type_and_no_backward():
     """A deployment that calls attention with FP8 inputs under FLASHGEN_NO_JIT=1 finds its kernels
-    in what `flashgen build --dtype e4m3` makes; FP8 goes through attention only."""
+    (V's layout kernel and the forward) in what `flashgen build --dtype e4m3` makes; FP8 goes
+    through attention and varlen only."""
     from click.testing import CliRunner
 
     from flashgen import cli
@@ -195,14 +196,16 @@ def test_build_makes_the_fp8_forward_for_each_output_type_and_no_backward():
 
     result = CliRunner().invoke(cli.main, ["build", "--d", "128", "--dtype", "e4m3", "--causal", "--dry-run"])
     assert result.exit_code == 0, result.output
-    assert sorted(result.output.split()[-2:]) == ["fwd_sm90_d128_m128_n128_e4m3_obf16_causal_s2_sm90a",
+    assert sorted(result.output.split()[-3:]) == ["fp8_v_d128_sm90a",  # V laid out for the P V product
+                                                  "fwd_sm90_d128_m128_n128_e4m3_obf16_causal_s2_sm90a",
                                                   "fwd_sm90_d128_m128_n128_e4m3_ofp16_causal_s2_sm90a"]
     spec = tuning.fp8_forward_spec(64, "fp16", False, "sm_90a", ("window",))
     assert spec in describing(spec).specs()
     with pytest.raises(SpecError, match="FP8 inputs go through attention and varlen only"):
         Workload(head_dims=(128,), dtypes=("e4m3",), entries=("attention", "kvcache"))
     varlen = Workload(head_dims=(128,), dtypes=("e4m3",), entries=("varlen",)).specs()
-    assert {(spec.varlen, spec.out_dtype) for spec in varlen} == {(True, "bf16"), (True, "fp16")}
+    assert {(spec.kind, spec.varlen, spec.out_dtype) for spec in varlen} == {
+        ("fp8_v", True, ""), ("fwd_sm90", True, "bf16"), ("fwd_sm90", True, "fp16")}
 
 
 def test_fp8_varlen_input_errors_are_named():

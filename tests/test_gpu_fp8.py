@@ -199,3 +199,28 @@ def test_fp8_in_a_cuda_graph_replays_the_eager_result():
         graph.replay()
         torch.cuda.synchronize()
     assert torch.equal(captured, eager)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 37, 128), (1, 2, 64, 64), (2, 1, 200, 256), (1, 1, 1, 16)])
+def test_the_fp8_v_kernel_lays_v_out_as_the_reference_says(shape):
+    """The fp8_v kernel (the FP8 forward's first step) against flashgen.reference.fp8_values, byte
+    for byte: keys past whole 16s and 32s and 64s, V as a strided view (B, T, H, d -> B, H, T, d)."""
+    from flashgen import ops
+
+    batch, heads, keys, head_dim = shape
+    v = torch.randn(batch, keys, heads, head_dim, device="cuda").mul(40).to(torch.float8_e4m3fn).transpose(1, 2)
+    got, want = ops.fp8_values(v), reference.fp8_values(v)
+    assert got.shape == want.shape and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_fp8_v_kernel_lays_packed_v_out_as_the_reference_says(head_dim):
+    """Packed sequences (empty ones, and ones shorter and longer than a block's 64 positions): each
+    from its own whole 16, zeros between, every byte of the output written."""
+    from flashgen import ops
+
+    lengths = [5, 0, 37, 16, 3, 100, 64]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    v = torch.randn(sum(lengths), 3, head_dim, device="cuda").mul(40).to(torch.float8_e4m3fn)
+    got, want = ops.fp8_values(v, cu), reference.fp8_values_varlen(v, cu)
+    assert got.shape == want.shape and torch.equal(got.view(torch.uint8), want.view(torch.uint8))

@@ -9,12 +9,12 @@ from .base import Family
 from .blockmask import BlockMaskStates
 from .decode import DecodeAttention, KvAppend, MergeStates, MergeStatesFp32
 from .forward import MmaForward
-from .hopper import HopperForward
+from .hopper import Fp8Values, HopperForward
 from .hopper_backward import HopperBackward, HopperDqReader
 
 FAMILIES: tuple[Family, ...] = (
     MmaForward(), HopperForward(), KeyMajorBackward(), QueryMajorBackward(), BackwardPrep(), HopperBackward(), HopperDqReader(),
-    DecodeAttention(), KvAppend(), MergeStates(), MergeStatesFp32(), BlockMaskStates(),
+    DecodeAttention(), KvAppend(), MergeStates(), MergeStatesFp32(), BlockMaskStates(), Fp8Values(),
 )
 BY_KIND: dict[str, Family] = {kind: family for family in FAMILIES for kind in family.kinds}
 KINDS = tuple(BY_KIND)

@@ -210,8 +210,8 @@ class HopperForward(Family):
         # page_size, d), page_rows rows a box.
         kv_view, kv_rows = ("{}.transpose(1, 2)", f"page_rows(k, {spec.block_n})") if spec.paged else ("{}", spec.block_n)
         # FP8: v is V transposed, (B, H_kv, d_v, keys) (varlen: (1, H_kv, d_v, keys), each sequence's
-        # keys from a multiple of 16) with each 16 keys in the order P's registers hold them
-        # (flashgen.ops.fp8_values): one box of 128 keys by d_v_pad rows a tile
+        # keys from a multiple of 16) with each 16 keys in the order P's registers hold them (the
+        # fp8_v kernel writes it, Fp8Values): one box of 128 keys by d_v_pad rows a tile
         v_map = f"tensor_map(v, {self.d_v_pad(spec)}, 128)" if spec.element.bytes == 1 else f"tensor_map({kv_view.format('v')}, {kv_rows})"
         maps = [
             tensormap("q_map", f"tensor_map(q, {spec.block_m})"),
@@ -274,3 +274,54 @@ class HopperForward(Family):
         if spec.mask_mod:
             context.update(block_mask_lists(key_major=False))
         return context
+
+
+class Fp8Values(Family):
+    """fp8_v: the FP8 forward's V as its kernel reads it, from V in attention's (or
+    attention_varlen's packed) layout: (B, H_kv, d_v, keys_pad) e4m3, keys contiguous (wgmma takes
+    8-bit operands K-major only), keys_pad = keys in whole 16s, each 16 keys in
+    flashgen.ops.FP8_KEY_ORDER (the order a thread's registers hold P in), zeros past the keys.
+    Varlen: (1, H_kv, d_v, width), sequence b's keys from position 16 (ceil(cu_seqlens_k[b] / 16) + b)
+    and zeros up to the next sequence's (flashgen.reference.fp8_values_varlen says the layout in
+    PyTorch). One block per 64 positions of a (batch, KV head) row (varlen: of the packed width,
+    each 16 found in its sequence by a binary search over cu_seqlens_k): its threads load the 64
+    keys' rows with 16-byte loads into shared memory, then each writes 32 positions of one output
+    row (two 16-byte stores). Every position of the output is written."""
+
+    kinds = ("fp8_v",)
+    template = "fp8_values.cu.j2"
+    fields = ("head_dim", "arch", "varlen")  # (it moves bytes: no element type)
+    arguments = ("v_keys", "v", "cu_seqlens_k")  # V as given (keys-major), V as the FP8 forward reads it
+    POSITIONS = 64  # output positions (keys) a block writes per row
+
+    def check(self, spec: KernelSpec) -> None:
+        if spec.head_dim % 16:
+            raise SpecError(f"head_dim={spec.head_dim}: an fp8_v kernel moves V's rows in 16-byte pieces (a multiple of 16)")
+
+    def threads(self, spec: KernelSpec) -> int:
+        return 256
+
+    def smem(self, spec: KernelSpec) -> SmemLayout:
+        return SmemLayout([Region("tile", self.POSITIONS * (spec.head_dim + 16), align=16)])
+
+    def params(self, spec: KernelSpec) -> Params:
+        # src: v_keys (B, H_kv, keys, d_v) or packed (total_k, H_kv, d_v); dst: v, contiguous
+        dst = [Param("dst", "unsigned char* __restrict__", "ptr", "v.data_ptr()"), scalar("width", "int", "v.shape[-1]")]
+        if spec.varlen:
+            return Params(self.arguments, [
+                *tensor("src", elem="unsigned char", dims=PACKED, value="v_keys"), *dst,
+                pointer("cu_seqlens_k", "const int*"),
+                scalar("sequences", "int", "cu_seqlens_k.shape[0] - 1"),
+            ])
+        return Params(self.arguments, [
+            *tensor("src", elem="unsigned char", value="v_keys"), *dst,
+            scalar("keys", "int", "v_keys.shape[2]"),
+        ])
+
+    def grid(self, spec: KernelSpec) -> str:  # (varlen: every position of the packed width; a block finds its sequences)
+        return f"(-(-v.shape[-1] // {self.POSITIONS}), v_keys.shape[1], {'1' if spec.varlen else 'v_keys.shape[0]'})"
+
+    def context(self, spec: KernelSpec) -> dict:
+        from ..ops import FP8_KEY_ORDER
+
+        return {**super().context(spec), "positions": self.POSITIONS, "key_order": FP8_KEY_ORDER}
