@@ -16,6 +16,8 @@ from sweeps import sweep
 # and for 256, where its backward is the key-major kernels that take dV and dK in separate passes.
 SHIPPED = tuning.shipped_specs("sm_90a") + tuning.shipped_specs("sm_80", head_dims=(64, 128, 256))
 SHIPPED += tuning.serving_specs("sm_90a", kv_dtypes=("", "e4m3")) + tuning.serving_specs("sm_80", head_dims=(64, 128))
+# The FP8 forward's first step, V laid out for its P V product (its forwards: tests/test_fp8.py).
+SHIPPED += [tuning.fp8_values_spec(d, "sm_90a", varlen) for d in (64, 128, 256) for varlen in (False, True)]
 # The block mask of a mask rule (one spec per tile shape the attention kernels above pick).
 _RULE = '{"cuda":"kv_idx <= q_idx + 3","per_batch":false,"per_head":false,"tensors":[]}'
 SHIPPED += [KernelSpec(head_dim=8, kind="block_mask", block_m=m, block_n=n, causal=c, mask_mod=_RULE)

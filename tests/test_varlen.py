@@ -25,6 +25,7 @@ from sweeps import group, sweep
 
 # Every spec attention_varlen runs on the H200, and on sm_80 for the head dims test_compile covers.
 SHIPPED = tuning.shipped_varlen_specs("sm_90a") + tuning.shipped_varlen_specs("sm_80", head_dims=(64, 128, 256))
+SHIPPED += [tuning.fp8_values_spec(128, "sm_90a", varlen=True)]  # the FP8 forward's first step over packed V
 FIXED = tuning.shipped_specs("sm_90a") + tuning.shipped_specs("sm_80", head_dims=(64, 128))
 
 
