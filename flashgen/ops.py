@@ -132,6 +132,8 @@ def fp8_values(v: torch.Tensor, cu_seqlens_k: torch.Tensor | None = None) -> tor
     first step; flashgen.reference.fp8_values and fp8_values_varlen say the layout in PyTorch)."""
     values = {"v_keys": aligned(v), "cu_seqlens_k": None if cu_seqlens_k is None else cu_seqlens_k.contiguous()}
     values["v"] = torch.empty(plans.fp8_values_shape(values), dtype=v.dtype, device=v.device)
+    if v.numel() == 0 or (cu_seqlens_k is not None and cu_seqlens_k.shape[0] < 2):  # nothing to lay out: no grid
+        return values["v"].zero_()
     device = v.get_device()
     kernels.get(tuning.fp8_values_spec(v.shape[-1], plans.device_arch(device), cu_seqlens_k is not None)).launch(device, values)
     return values["v"]

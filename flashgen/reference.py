@@ -611,14 +611,15 @@ def fp8_values_varlen(v: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Tens
     batch = cu_seqlens_k.shape[0] - 1
     width = 16 * (-(-total // 16) + batch + 1)  # past every sequence's start and keys
     out = torch.zeros(kv_heads, head_dim_v, width, dtype=torch.uint8, device=v.device)
-    if total:
+    if total and batch:
         cu = cu_seqlens_k.long()
         token = torch.arange(total, device=v.device)
+        token = token[(token >= cu[0]) & (token < cu[-1])]  # the rows some sequence holds
         sequence = (torch.searchsorted(cu[1:], token, right=True)).clamp_max(max(batch - 1, 0))
         at = 16 * ((cu[sequence] + 15) // 16 + sequence) + token - cu[sequence]  # each key's position, in order
         inverse = torch.tensor(FP8_KEY_ORDER, device=v.device).argsort()
         at = at - at % 16 + inverse[at % 16]  # key k of a group goes to position inverse[k]
-        out.index_copy_(2, at, v.view(torch.uint8).permute(1, 2, 0))
+        out.index_copy_(2, at, v.view(torch.uint8)[token].permute(1, 2, 0))
     return out[None].view(v.dtype)
 
 

@@ -91,6 +91,9 @@ def test_packed_transposed_v_starts_each_sequence_on_a_group_of_16():
             position = start + j - j % 16 + ops.FP8_KEY_ORDER.index(j % 16)
             expected[:, :, position] = v[int(cu[b]) + j].float()
     assert torch.equal(vt, expected)
+    # rows past the last sequence's end belong to none: the layout is the same without them
+    extra = torch.cat([v, torch.randn(7, 2, 24).to(torch.float8_e4m3fn)])
+    assert torch.equal(reference.fp8_values_varlen(extra, cu).float()[0][..., : vt.shape[-1]], vt)
 
 
 def test_transposed_v_holds_each_16_keys_in_the_order_p_registers_hold_them():

@@ -216,11 +216,12 @@ def test_the_fp8_v_kernel_lays_v_out_as_the_reference_says(shape):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_the_fp8_v_kernel_lays_packed_v_out_as_the_reference_says(head_dim):
     """Packed sequences (empty ones, and ones shorter and longer than a block's 64 positions): each
-    from its own whole 16, zeros between, every byte of the output written."""
+    from its own whole 16, zeros between, every byte of the output written; rows past the last
+    sequence's end (7 here) belong to none."""
     from flashgen import ops
 
     lengths = [5, 0, 37, 16, 3, 100, 64]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    v = torch.randn(sum(lengths), 3, head_dim, device="cuda").mul(40).to(torch.float8_e4m3fn)
+    v = torch.randn(sum(lengths) + 7, 3, head_dim, device="cuda").mul(40).to(torch.float8_e4m3fn)
     got, want = ops.fp8_values(v, cu), reference.fp8_values_varlen(v, cu)
     assert got.shape == want.shape and torch.equal(got.view(torch.uint8), want.view(torch.uint8))

@@ -312,6 +312,7 @@ class Fp8Values(Family):
                 *tensor("src", elem="unsigned char", dims=PACKED, value="v_keys"), *dst,
                 pointer("cu_seqlens_k", "const int*"),
                 scalar("sequences", "int", "cu_seqlens_k.shape[0] - 1"),
+                scalar("total_k", "int", "v_keys.shape[0]"),
             ])
         return Params(self.arguments, [
             *tensor("src", elem="unsigned char", value="v_keys"), *dst,
