@@ -523,3 +523,46 @@ def _prefetch_in_child():
     assert not kernels._pending and kernels._pool is None
     kernels.prefetch([spec])
     assert kernels.get(spec).spec == spec
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_the_fp8_plan_lays_v_out_before_its_forward(driver, stub_kernels, monkeypatch, varlen):
+    """The FP8 forward's plan: fp8_v reads V as given (`v_keys`) and writes the scratch `v`, in the
+    layout flashgen.reference.fp8_values says, over every position of it (one block per 64, per
+    KV head and batch); then the forward's V tensor map is that scratch."""
+    from flashgen.families import hopper
+
+    fake = lambda t, rows, cols=64: t.data_ptr().to_bytes(8, "little") * 15 + rows.to_bytes(8, "little")  # noqa: E731
+    monkeypatch.setattr(hopper.HopperForward, "helpers", lambda self, spec: {"tensor_map": fake, "sm_count": lambda *a: 132,
+                                                                             "page_rows": None, "page_gather": None})
+    e4m3 = torch.float8_e4m3fn
+    spec = KernelSpec(kind="fwd_sm90", head_dim=128, block_m=128, block_n=128, dtype="e4m3", out_dtype="bf16", varlen=varlen)
+    plan = plans.forward_fp8(-1, 128, torch.bfloat16, False, (), 0, spec.canonical(), varlen)
+    assert [step.kernel.spec.kind for step in plan.steps] == ["fp8_v", "fwd_sm90"] and plan.whole == varlen
+    if varlen:
+        cu = torch.tensor([0, 5, 5, 90], dtype=torch.int32)
+        q, k, v = (torch.zeros(90, 2, 128).to(e4m3) for _ in range(3))
+        values = dict(q=q, k=k, v_keys=v, o=torch.empty(90, 2, 128, dtype=torch.bfloat16), lse=torch.empty(2, 90), scale=0.1,
+                      cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=85, q_descale=None, k_descale=None, v_descale=None)
+        expected = (1, 2, 128, 16 * (-(-90 // 16) + 3 + 1))
+    else:
+        q, k = torch.zeros(2, 4, 100, 128).to(e4m3), torch.zeros(2, 2, 77, 128).to(e4m3)
+        v = torch.zeros(2, 77, 2, 128).to(e4m3).transpose(1, 2)  # V as a strided view
+        values = dict(q=q, k=k, v_keys=v, o=torch.empty(2, 4, 100, 128, dtype=torch.bfloat16), lse=torch.empty(2, 4, 100),
+                      scale=0.1, q_descale=None, k_descale=None, v_descale=None)
+        expected = (2, 2, 128, 80)  # 77 keys in whole 16s
+    plan.run(-1, values)
+    scratch = values["v"]
+    assert scratch.shape == expected and scratch.dtype == e4m3 and scratch.is_contiguous()
+    from flashgen import reference
+
+    assert expected == (reference.fp8_values_varlen(v, cu) if varlen else reference.fp8_values(v)).shape
+    layout, forward = driver.launches
+    packed = unpack(plan.kernels[0].spec, layout["params"])
+    assert packed["src"] == v.data_ptr() and packed["dst"] == scratch.data_ptr() and packed["width"] == expected[-1]
+    assert layout["grid"] == (-(-expected[-1] // 64), 2, 1 if varlen else 2)
+    if varlen:
+        assert packed["cu_seqlens_k"] == cu.data_ptr() and packed["sequences"] == 3 and packed["total_k"] == 90
+    else:
+        assert (packed["keys"], packed["src_batch"], packed["src_head"], packed["src_row"]) == (77, 77 * 2 * 128, 128, 256)
+    assert unpack(plan.kernels[1].spec, forward["params"])["v_map"] == fake(scratch, 128, 128)
