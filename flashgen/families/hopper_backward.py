@@ -172,8 +172,6 @@ class HopperBackward(Family):
                 f"warpgroups sharing 64 keys, one computing dV and the other dK) or 96 (three consumer warpgroups "
                 f"sharing 96 keys, each computing 64 head-dim columns; head dims 129 to 192)"
             )
-        if self.trio(spec):
-            self._check_trio(spec)
         if spec.block_m not in (64, 128) or STATS_PAD % spec.block_m:
             raise SpecError(f"block_m={spec.block_m}: must be 64 or 128 (query rows per step, whole dQ pieces)")
         if spec.num_stages not in (2, 3):
@@ -183,8 +181,20 @@ class HopperBackward(Family):
         pad, v_pad = self.head_dim_pad(spec), self.d_v_pad(spec)  # Q, K, dK, dQ; V, dO, dV
         dims = f"head_dim={spec.head_dim}" + (f", head_dim_v={spec.head_dim_v}" if spec.head_dim_v else "")
         if self.trio(spec):
-            pass  # (_check_trio)
-        elif self.split(spec):
+            self._check_trio(spec, pad, v_pad, dims)
+        else:
+            self._check_registers(spec, pad, v_pad, dims)
+        # (validate says it for the others, in head_dim's words)
+        if spec.head_dim_v and (size := self.smem(spec).size) > (limit := SMEM_LIMIT[spec.arch]):
+            raise SpecError(
+                f"block_m={spec.block_m}, block_n={spec.block_n}, num_stages={spec.num_stages}, {dims}: needs {size} "
+                f"bytes of shared memory (K and Q tiles of {pad} columns, V and dO tiles of {v_pad}), more than the "
+                f"{limit} a block may use on {spec.arch}"
+            )
+
+    def _check_registers(self, spec: KernelSpec, pad: int, v_pad: int, dims: str) -> None:
+        """What the two-consumer layouts' accumulators (and a score piece's registers) leave room for."""
+        if self.split(spec):
             # fp32 registers a consumer thread holds at once: its gradient (dV, v_pad / 2, or dK, pad / 2)
             # and its score tile (S^T or dP^T, block_m / 2). Both warpgroups get 240 registers: the
             # wider gradient bounds them.
@@ -204,34 +214,27 @@ class HopperBackward(Family):
         # tests: 8-32 bytes spilled at d = 96 and 128 (CPU compile sweep)
         masked_cap = capped_first(spec) and (any(d.mask and not d.rule for d in variants.on(spec)) or spec.varlen)
         score_tile = (_pointwise_grad(spec) and not capped_first(spec)) or spec.score_mod or masked_cap
-        if (score_tile or wide_scores) and not self.split(spec) and not self.trio(spec) and held + SCORE_REGISTERS > 192:
+        if (score_tile or wide_scores) and not self.split(spec) and held + SCORE_REGISTERS > 192:
             raise SpecError(
                 f"block_m={spec.block_m}, {dims}: with a score_mod, softcap beside ALiBi, a window or varlen, or "
                 f"(at block_m=128) softcap a block_n=128 "
                 f"consumer thread needs {SCORE_REGISTERS} registers more than its {held} fp32 accumulators ({holds}), past "
                 f"the 192 that fit; use block_m=64 (at head_dim <= 64) or block_n=64 (the split layout)"
             )
-        if not self.trio(spec) and held > 192:
+        if held > 192:
             raise SpecError(
                 f"block_m={spec.block_m}, {dims}: a consumer thread would hold {held} fp32 "
                 f"accumulators ({holds}); at most 192 fit in its 240 registers (use block_m=64)"
             )
-        if self.has_dq(spec) and not self.split(spec) and not self.trio(spec) and spec.block_m * pad > MAX_DQ_PIECES * PIECE * PIECE:
+        if self.has_dq(spec) and not self.split(spec) and spec.block_m * pad > MAX_DQ_PIECES * PIECE * PIECE:
             raise SpecError(
                 f"block_m={spec.block_m}, head_dim={spec.head_dim}: the dQ tile of a step ({spec.block_m} x {pad}) "
                 f"must be at most {MAX_DQ_PIECES} pieces of {PIECE} x {PIECE}, one per consumer warpgroup (use block_m=64)"
             )
-        # (validate says it for the others, in head_dim's words)
-        if spec.head_dim_v and (size := self.smem(spec).size) > (limit := SMEM_LIMIT[spec.arch]):
-            raise SpecError(
-                f"block_m={spec.block_m}, block_n={spec.block_n}, num_stages={spec.num_stages}, {dims}: needs {size} "
-                f"bytes of shared memory (K and Q tiles of {pad} columns, V and dO tiles of {v_pad}), more than the "
-                f"{limit} a block may use on {spec.arch}"
-            )
 
-    def _check_trio(self, spec: KernelSpec) -> None:
-        pad, v_pad = self.head_dim_pad(spec), self.d_v_pad(spec)
-        dims = f"head_dim={spec.head_dim}" + (f", head_dim_v={spec.head_dim_v}" if spec.head_dim_v else "")
+    def _check_trio(self, spec: KernelSpec, pad: int, v_pad: int, dims: str) -> None:
+        """The trio layout: q's head dim in three chunks (one a consumer), d_v in at most three, 64
+        query rows a step, no score piece or mask rule."""
         if pad != 3 * PIECE or v_pad > 3 * PIECE:
             raise SpecError(f"block_n=96, {dims}: the three consumer warpgroups take one 64-column chunk of q's head "
                             f"dim each, so it must be 129 to 192 (and head_dim_v at most 192); use block_n=64")
@@ -336,8 +339,8 @@ class HopperBackward(Family):
         ])
 
     def out_rows(self, spec: KernelSpec) -> int:
-        """Key rows of a dK or dV box: a warpgroup's 64 keys, or with block_n=96 the block's 96 (each
-        warpgroup stores its 64 columns of them)."""
+        """Key rows of a dK or dV box: a warpgroup's 64 keys, or with block_n=96 the block's 96
+        (warpgroup 0 stores dK's chunks, warpgroup 1 dV's)."""
         return spec.block_n if self.trio(spec) else 64
 
     def helpers(self, spec: KernelSpec) -> dict:
