@@ -143,3 +143,31 @@ def test_the_hopper_forward_reads_q_from_registers_where_it_fits(spec, tmp_path)
     steps = spec.family.head_dim_pad(spec) // 16
     assert scores and all(bool(re.match(r"HGMMA\S+ R\d+, R\d+, gdesc", op)) == in_registers for op in scores)
     assert sum(op.startswith("LDSM.16.M88.4") for op in instructions) == (steps if in_registers else 0)
+
+
+# The trio layout (block_n = 96) as the tables run it at d = 192 / d_v = 128, and its dQ-less kind.
+TRIO = [tuning.backward_specs(192, "bf16", causal, "sm_90a", False, head_dim_v=128)[0] for causal in (False, True)]
+TRIO += [TRIO[1].replace(kind="bwd_sm90_kv")]
+
+
+@pytest.mark.parametrize("spec", TRIO, ids=lambda spec: spec.name)
+def test_the_trio_backward_computes_p_under_dp_and_issues_its_mmas_back_to_back(spec, tmp_path):
+    """Each step's 16 exponentials a thread (64 queries x 32 keys) run between the S wait and the dP
+    wait; with dQ, its staging (16 eight-byte stores) and TMA reduction run while dK^T is computed;
+    and the S product's 12 MMAs follow each other with about 4 instructions between them (their
+    descriptors one add from a base built once, in uniform registers; rebuilt each time, 13)."""
+    assert spec.family.trio(spec)
+    instructions = sass(spec, tmp_path)
+    waits = between_waits(instructions)
+    steps = [(under, after) for under, after in waits if mufu(under + after, "EX2")]
+    assert steps and all((mufu(under, "EX2"), mufu(after, "EX2")) == (16, 0) for under, after in steps)
+    staged = [under for under, _ in waits if any(op.startswith("STS.64") for op in under)]
+    if spec.kind == "bwd_sm90_kvq":
+        assert len(staged) == 1 and sum(op.startswith("STS.64") for op in staged[0]) == 16
+        assert any(op.startswith("UTMACMDFLUSH") for op in staged[0])
+    else:
+        assert not staged
+    mmas = [i for i, op in enumerate(instructions) if op.startswith("HGMMA.64x32x16")]
+    score = mmas[:12]  # S: 12 k-steps of d = 192, the step's first MMAs
+    gaps = [b - a - 1 for a, b in zip(score, score[1:])]
+    assert sum(gaps) <= 6 * len(gaps), gaps
