@@ -188,8 +188,8 @@ def forward_fp8(device: int, head_dim: int, out_dtype: torch.dtype, causal: bool
     if plan is None:
         chosen = KernelSpec.from_json(spec) if spec else tuning.fp8_forward_spec(
             head_dim, DTYPES[out_dtype], causal, device_arch(device), variant, head_dim_v, varlen)
-        values = tuning.fp8_values_spec(head_dim_v or head_dim, chosen.arch, varlen)
-        plan = _plans[key] = Plan((Launch(kernels.get(values)), Launch(kernels.get(chosen))),
+        v_layout = tuning.fp8_values_spec(head_dim_v or head_dim, chosen.arch, varlen)
+        plan = _plans[key] = Plan((Launch(kernels.get(v_layout)), Launch(kernels.get(chosen))),
                                   (Scratch("v", fp8_values_shape, torch.float8_e4m3fn),), whole=varlen)
     return plan
 
